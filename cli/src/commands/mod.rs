@@ -1,0 +1,54 @@
+//! One module per subcommand; each only adapts I/O to `prefixroute-core`.
+
+mod disagg;
+mod hash;
+mod simulate;
+mod trace;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "prefixroute", version, about = "Prefix-cache-aware routing for LLM replicas", long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a synthetic request trace (JSONL).
+    Trace(trace::Args),
+    /// Replay a trace through the router in front of simulated vLLM replicas.
+    Simulate(simulate::Args),
+    /// Prefill/decode disaggregation calculator.
+    Disagg(disagg::Args),
+    /// Print the tokens and block hashes of a prompt or OpenAI body read from stdin.
+    Hash(hash::Args),
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Trace(args) => trace::run(args),
+        Command::Simulate(args) => simulate::run(args),
+        Command::Disagg(args) => disagg::run(args),
+        Command::Hash(args) => hash::run(args),
+    }
+}
+
+/// Reads a trace file with the file name in every error.
+pub(crate) fn read_trace(
+    path: &std::path::Path,
+) -> Result<Vec<prefixroute_core::trace::TraceRecord>> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read trace {}", path.display()))?;
+    let records = prefixroute_core::trace::parse_jsonl(&text)
+        .with_context(|| format!("bad trace {}", path.display()))?;
+    anyhow::ensure!(
+        !records.is_empty(),
+        "trace {} has no requests",
+        path.display()
+    );
+    Ok(records)
+}

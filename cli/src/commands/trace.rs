@@ -1,0 +1,76 @@
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use prefixroute_core::trace::{to_jsonl, TraceShape, TraceSpec};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Output file (JSONL); `-` for stdout.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// What the trace exercises.
+    #[arg(long, value_enum, default_value = "tenants")]
+    shape: Shape,
+    /// Groups: tenants, conversations or documents.
+    #[arg(long, default_value_t = 8)]
+    tenants: usize,
+    /// Words in each tenant's system prompt (or each document).
+    #[arg(long, default_value_t = 180)]
+    prompt_words: usize,
+    #[arg(long, default_value_t = 12)]
+    question_words: usize,
+    /// Mean requests per second (Poisson); 0 = back to back.
+    #[arg(long, default_value_t = 20.0)]
+    rate: f64,
+    #[arg(long, default_value_t = 64)]
+    requests: usize,
+    /// Share of traffic for tenant 0 (0..1).
+    #[arg(long)]
+    hot: Option<f64>,
+    #[arg(long, default_value = "cc-sim")]
+    model: String,
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Shape {
+    Tenants,
+    Conversations,
+    Rag,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let spec = TraceSpec {
+        shape: match args.shape {
+            Shape::Tenants => TraceShape::Tenants,
+            Shape::Conversations => TraceShape::Conversations,
+            Shape::Rag => TraceShape::Rag,
+        },
+        tenants: args.tenants,
+        prompt_words: args.prompt_words,
+        question_words: args.question_words,
+        rate: args.rate,
+        requests: args.requests,
+        hot: args.hot,
+        model: args.model,
+        max_tokens: args.max_tokens,
+        seed: args.seed,
+    };
+    let records = spec.generate()?;
+    let text = to_jsonl(&records);
+    if args.output.as_os_str() == "-" {
+        print!("{text}");
+    } else {
+        std::fs::write(&args.output, text)
+            .with_context(|| format!("cannot write {}", args.output.display()))?;
+        eprintln!(
+            "wrote {} requests to {}",
+            records.len(),
+            args.output.display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,584 @@
+//! Router and plugin configuration, with validation that every front end shares: the plugin
+//! refuses a bad configuration at `on_configure`, the CLI at start-up, and the Kubernetes
+//! manifest tests check the JSON embedded in manifests with this same code.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::hashing::HashConfig;
+use crate::index::DEFAULT_CAPACITY_BLOCKS;
+use crate::scorer::MatchLength;
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ConfigError {
+    #[error("unknown policy {0:?} (expected one of: prefix, prefix-only, least-queue, round-robin, random)")]
+    UnknownPolicy(String),
+    #[error("invalid weights {0:?}: expected name=value pairs such as prefix=3,queue=2,kv=2")]
+    BadWeights(String),
+    #[error("{field} must be {expected}, got {got}")]
+    OutOfRange {
+        field: &'static str,
+        expected: &'static str,
+        got: String,
+    },
+    #[error("invalid configuration JSON: {0}")]
+    Json(String),
+    #[error("endpoints: at least one endpoint is required")]
+    NoEndpoints,
+    #[error("endpoints[{index}].address {address:?} is not ip:port")]
+    BadAddress { index: usize, address: String },
+    #[error("endpoints: name {0:?} is used twice")]
+    DuplicateName(String),
+    #[error("endpoints: address {0:?} is used twice")]
+    DuplicateAddress(String),
+    #[error("destination_header {0:?} is not a valid lower-case HTTP header name")]
+    BadHeader(String),
+}
+
+fn out_of_range(
+    field: &'static str,
+    expected: &'static str,
+    got: impl fmt::Display,
+) -> ConfigError {
+    ConfigError::OutOfRange {
+        field,
+        expected,
+        got: got.to_string(),
+    }
+}
+
+/// Routing policies: `prefix` is the product; the others are baselines in the same router so
+/// comparisons differ only in the decision rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Weighted prefix-cache + queue + kv-cache-utilization + no-hit-lru scorers.
+    #[default]
+    Prefix,
+    /// The prefix-cache scorer alone: locality without any load signal.
+    PrefixOnly,
+    LeastQueue,
+    RoundRobin,
+    Random,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 5] = [
+        Policy::Prefix,
+        Policy::PrefixOnly,
+        Policy::LeastQueue,
+        Policy::RoundRobin,
+        Policy::Random,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Prefix => "prefix",
+            Policy::PrefixOnly => "prefix-only",
+            Policy::LeastQueue => "least-queue",
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| ConfigError::UnknownPolicy(s.to_string()))
+    }
+}
+
+/// Scorer weights of the `prefix` policy (llm-d chart defaults: prefix 3, queue 2, kv 2).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Weights {
+    pub prefix: f64,
+    pub queue: f64,
+    pub kv_cache: f64,
+    /// Spreads cold prefixes across endpoints; 0 turns the scorer off.
+    pub no_hit_lru: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            prefix: 3.0,
+            queue: 2.0,
+            kv_cache: 2.0,
+            no_hit_lru: 1.0,
+        }
+    }
+}
+
+impl Weights {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (field, w) in [
+            ("weights.prefix", self.prefix),
+            ("weights.queue", self.queue),
+            ("weights.kv_cache", self.kv_cache),
+            ("weights.no_hit_lru", self.no_hit_lru),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(out_of_range(field, "a finite number >= 0", w));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Weights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "prefix={},queue={},kv={},no-hit-lru={}",
+            self.prefix, self.queue, self.kv_cache, self.no_hit_lru
+        )
+    }
+}
+
+impl FromStr for Weights {
+    type Err = ConfigError;
+
+    /// `prefix=3,queue=2,kv=2,no-hit-lru=1`; names left out keep their defaults.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConfigError::BadWeights(s.to_string());
+        let mut weights = Weights::default();
+        for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').ok_or_else(bad)?;
+            let value: f64 = value.trim().parse().map_err(|_| bad())?;
+            let slot = match name.trim() {
+                "prefix" | "prefix-cache" => &mut weights.prefix,
+                "queue" => &mut weights.queue,
+                "kv" | "kv-cache" | "kv_cache" | "kv-cache-utilization" => &mut weights.kv_cache,
+                "no-hit-lru" | "no_hit_lru" | "lru" => &mut weights.no_hit_lru,
+                _ => return Err(bad()),
+            };
+            *slot = value;
+        }
+        weights.validate()?;
+        Ok(weights)
+    }
+}
+
+/// The saturation filter of the `prefix` policy: before scoring, endpoints whose queue or
+/// KV-cache usage is at or above a threshold are set aside while some endpoint is below both
+/// (the Gateway API Inference Extension's default scheduler filters the same way). Without it
+/// a long prefix match outweighs any queue, because the queue scorer saturates at its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SaturationFilter {
+    /// Waiting requests at which an endpoint counts as saturated.
+    pub queue_threshold: f64,
+    /// KV-cache usage (0..1) at which an endpoint counts as saturated.
+    pub kv_threshold: f64,
+}
+
+impl Default for SaturationFilter {
+    fn default() -> Self {
+        SaturationFilter {
+            queue_threshold: 5.0,
+            kv_threshold: 0.8,
+        }
+    }
+}
+
+impl SaturationFilter {
+    /// Never filters.
+    pub const OFF: SaturationFilter = SaturationFilter {
+        queue_threshold: f64::INFINITY,
+        kv_threshold: f64::INFINITY,
+    };
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.queue_threshold.is_nan() || self.queue_threshold < 1.0 {
+            return Err(out_of_range(
+                "saturation.queue_threshold",
+                "at least 1",
+                self.queue_threshold,
+            ));
+        }
+        if self.kv_threshold.is_nan() || self.kv_threshold <= 0.0 {
+            return Err(out_of_range(
+                "saturation.kv_threshold",
+                "above 0",
+                self.kv_threshold,
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Everything that decides a routing choice.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RouterConfig {
+    pub policy: Policy,
+    pub weights: Weights,
+    pub saturation: SaturationFilter,
+    pub match_length: MatchLength,
+    pub hash: HashConfig,
+    pub index_capacity_blocks: usize,
+    /// Seeds tie-breaking and the `random` policy.
+    pub seed: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            policy: Policy::Prefix,
+            weights: Weights::default(),
+            saturation: SaturationFilter::default(),
+            match_length: MatchLength::default(),
+            hash: HashConfig::default(),
+            index_capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            seed: 0,
+        }
+    }
+}
+
+impl RouterConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.weights.validate()?;
+        self.saturation.validate()?;
+        let w = self.match_length.weight;
+        if !(0.0..=1.0).contains(&w) {
+            return Err(out_of_range("match_length.weight", "in 0..1", w));
+        }
+        let scale = self.match_length.scale;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(out_of_range("match_length.scale", "a number > 0", scale));
+        }
+        if !(1..=4096).contains(&self.hash.block_size) {
+            return Err(out_of_range(
+                "block_size",
+                "in 1..4096",
+                self.hash.block_size,
+            ));
+        }
+        if self.index_capacity_blocks == 0 {
+            return Err(out_of_range("index_capacity_blocks", "at least 1", 0));
+        }
+        Ok(())
+    }
+}
+
+/// One model-server endpoint the plugin may route to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    pub name: String,
+    /// `ip:port`, exactly as Envoy's override_host expects it (a cluster member's address).
+    pub address: String,
+}
+
+/// How the plugin scrapes each endpoint's metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScrapeConfig {
+    /// Envoy cluster the callouts go through; it must exist in Envoy's configuration.
+    pub cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// A scrape older than this makes the endpoint unmeasured.
+    pub stale_after_ms: u64,
+    /// Consecutive failed scrapes after which the endpoint is taken out of rotation until it
+    /// answers again.
+    pub failures_to_down: u32,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            cluster: "prefixroute_metrics".into(),
+            path: "/metrics".into(),
+            interval_ms: 1000,
+            timeout_ms: 500,
+            stale_after_ms: 5000,
+            failures_to_down: 2,
+        }
+    }
+}
+
+/// The plugin's JSON configuration (the filter's `configuration` value).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginConfig {
+    pub endpoints: Vec<EndpointConfig>,
+    pub policy: Policy,
+    pub weights: Weights,
+    pub saturation: SaturationFilter,
+    pub match_length: MatchLength,
+    pub block_size: usize,
+    pub index_capacity_blocks: usize,
+    pub scrape: ScrapeConfig,
+    /// Request header that carries the chosen `ip:port` to Envoy's override_host policy.
+    pub destination_header: String,
+    /// Bodies larger than this are not parsed; the request is routed by fallback.
+    pub max_body_bytes: usize,
+    /// Prefix of the scraped metric names (vLLM: `vllm:`).
+    pub metric_prefix: String,
+    /// Only count metric series of this model (`model_name` label); all when unset.
+    pub model: Option<String>,
+    pub seed: u64,
+}
+
+impl Default for PluginConfig {
+    fn default() -> Self {
+        let router = RouterConfig::default();
+        PluginConfig {
+            endpoints: Vec::new(),
+            policy: router.policy,
+            weights: router.weights,
+            saturation: router.saturation,
+            match_length: router.match_length,
+            block_size: router.hash.block_size,
+            index_capacity_blocks: router.index_capacity_blocks,
+            scrape: ScrapeConfig::default(),
+            destination_header: "x-gateway-destination-endpoint".into(),
+            max_body_bytes: 4 << 20,
+            metric_prefix: "vllm:".into(),
+            model: None,
+            seed: 0,
+        }
+    }
+}
+
+/// `ip:port` with a numeric IPv4 or bracketed IPv6 address and a non-zero port.
+pub fn is_ip_port(address: &str) -> bool {
+    address
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| a.port() != 0)
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl PluginConfig {
+    /// Parses and validates; an empty configuration is an error (there are no endpoints).
+    pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let config: PluginConfig =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            policy: self.policy,
+            weights: self.weights,
+            saturation: self.saturation,
+            match_length: self.match_length,
+            hash: HashConfig {
+                block_size: self.block_size,
+                include_partial: true,
+            },
+            index_capacity_blocks: self.index_capacity_blocks,
+            seed: self.seed,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.endpoints.is_empty() {
+            return Err(ConfigError::NoEndpoints);
+        }
+        for (index, endpoint) in self.endpoints.iter().enumerate() {
+            if !is_ip_port(&endpoint.address) {
+                return Err(ConfigError::BadAddress {
+                    index,
+                    address: endpoint.address.clone(),
+                });
+            }
+            let earlier = &self.endpoints[..index];
+            if earlier.iter().any(|e| e.name == endpoint.name) {
+                return Err(ConfigError::DuplicateName(endpoint.name.clone()));
+            }
+            if earlier.iter().any(|e| e.address == endpoint.address) {
+                return Err(ConfigError::DuplicateAddress(endpoint.address.clone()));
+            }
+        }
+        if self.endpoints.len() > 1024 {
+            return Err(out_of_range(
+                "endpoints",
+                "at most 1024 entries",
+                self.endpoints.len(),
+            ));
+        }
+        self.router_config().validate()?;
+        if !is_header_name(&self.destination_header) {
+            return Err(ConfigError::BadHeader(self.destination_header.clone()));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(out_of_range("max_body_bytes", "at least 1", 0));
+        }
+        let s = &self.scrape;
+        if s.cluster.is_empty() {
+            return Err(out_of_range("scrape.cluster", "a cluster name", "\"\""));
+        }
+        if !s.path.starts_with('/') {
+            return Err(out_of_range(
+                "scrape.path",
+                "a path starting with /",
+                &s.path,
+            ));
+        }
+        if s.interval_ms < 10 {
+            return Err(out_of_range(
+                "scrape.interval_ms",
+                "at least 10",
+                s.interval_ms,
+            ));
+        }
+        if s.timeout_ms == 0 || s.timeout_ms > s.interval_ms.max(1) * 10 {
+            return Err(out_of_range(
+                "scrape.timeout_ms",
+                "between 1 and 10 × interval_ms",
+                s.timeout_ms,
+            ));
+        }
+        if s.stale_after_ms < s.interval_ms {
+            return Err(out_of_range(
+                "scrape.stale_after_ms",
+                "at least scrape.interval_ms",
+                s.stale_after_ms,
+            ));
+        }
+        if s.failures_to_down == 0 {
+            return Err(out_of_range("scrape.failures_to_down", "at least 1", 0));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_round_trip_by_name() {
+        for p in Policy::ALL {
+            assert_eq!(p.name().parse::<Policy>().unwrap(), p);
+            assert_eq!(
+                serde_json::to_string(&p).unwrap(),
+                format!("\"{}\"", p.name())
+            );
+        }
+        assert!("fastest".parse::<Policy>().is_err());
+    }
+
+    #[test]
+    fn weights_parse_with_defaults_and_aliases() {
+        let w: Weights = "prefix=5,kv=0.5".parse().unwrap();
+        assert_eq!(
+            (w.prefix, w.queue, w.kv_cache, w.no_hit_lru),
+            (5.0, 2.0, 0.5, 1.0)
+        );
+        assert!("prefix".parse::<Weights>().is_err());
+        assert!("speed=1".parse::<Weights>().is_err());
+        assert!("queue=-1".parse::<Weights>().is_err());
+        assert!("queue=NaN".parse::<Weights>().is_err());
+        let round: Weights = Weights::default().to_string().parse().unwrap();
+        assert_eq!(round, Weights::default());
+    }
+
+    #[test]
+    fn router_config_rejects_out_of_range_match_length() {
+        let mut c = RouterConfig::default();
+        c.match_length.weight = 1.5;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "match_length.weight must be in 0..1, got 1.5"
+        );
+        c.match_length.weight = 0.3;
+        assert!(c.validate().is_ok());
+        c.hash.block_size = 0;
+        assert!(c.validate().is_err());
+    }
+
+    fn plugin(json: &str) -> Result<PluginConfig, ConfigError> {
+        PluginConfig::from_json(json.as_bytes())
+    }
+
+    #[test]
+    fn plugin_config_minimal_and_full() {
+        let c = plugin(r#"{"endpoints":[{"name":"a","address":"127.0.0.1:8001"}]}"#).unwrap();
+        assert_eq!(c.policy, Policy::Prefix);
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        let c = plugin(
+            r#"{"endpoints":[{"name":"a","address":"10.0.0.1:8000"},{"name":"b","address":"[::1]:8000"}],
+                "policy":"least-queue","weights":{"prefix":1},"block_size":32,
+                "scrape":{"interval_ms":250,"timeout_ms":200,"stale_after_ms":1000},
+                "destination_header":"x-dest","metric_prefix":"sglang:","model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.weights.prefix, 1.0);
+        assert_eq!(c.weights.queue, 2.0);
+        assert_eq!(c.router_config().hash.block_size, 32);
+    }
+
+    #[test]
+    fn plugin_config_errors_are_specific() {
+        let cases = [
+            ("", "invalid configuration JSON"),
+            ("{}", "endpoints: at least one endpoint is required"),
+            (
+                r#"{"endpoints":[{"name":"a","address":"x:1"}]}"#,
+                "is not ip:port",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:0"}]}"#,
+                "is not ip:port",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"},{"name":"a","address":"1.2.3.4:2"}]}"#,
+                "name \"a\" is used twice",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"},{"name":"b","address":"1.2.3.4:1"}]}"#,
+                "address \"1.2.3.4:1\" is used twice",
+            ),
+            (r#"{"endpoints":[],"polcy":"x"}"#, "unknown field `polcy`"),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"policy":"fast"}"#,
+                "unknown variant `fast`",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"destination_header":"X Dest"}"#,
+                "destination_header",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"scrape":{"interval_ms":1}}"#,
+                "scrape.interval_ms",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"max_body_bytes":0}"#,
+                "max_body_bytes",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"weights":{"queue":-2}}"#,
+                "weights.queue",
+            ),
+        ];
+        for (json, needle) in cases {
+            let err = plugin(json).unwrap_err().to_string();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Tokens → chained block hashes.
+//!
+//! As in vLLM and llm-d, a block's hash covers its own tokens *and* the hash of the block
+//! before it, so one hash names the whole prefix up to the end of its block. "The longest run
+//! of leading hashes an endpoint knows" is then exactly "the longest shared prefix".
+
+use xxhash_rust::xxh64::{xxh64, Xxh64};
+
+use crate::request::{ParsedRequest, Prompt};
+use crate::tokenizer::tokenize_into;
+
+/// How prompts are cut into blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HashConfig {
+    /// Tokens per block; vLLM's default on GPUs is 16.
+    pub block_size: usize,
+    /// Hash the final, partial block too. The router does (so a short prompt still has an
+    /// identity); a server caches full blocks only, so the replica model turns this off.
+    pub include_partial: bool,
+}
+
+impl Default for HashConfig {
+    fn default() -> Self {
+        HashConfig {
+            block_size: 16,
+            include_partial: true,
+        }
+    }
+}
+
+/// The seed every chain starts from. Each field is length-prefixed so that
+/// ("ab", "c") and ("a", "bc") give different seeds; a request without a salt hashes like an
+/// empty salt.
+pub fn chain_seed(model: &str, cache_salt: &str) -> u64 {
+    let mut h = Xxh64::new(0);
+    h.update(&(model.len() as u64).to_le_bytes());
+    h.update(model.as_bytes());
+    h.update(&(cache_salt.len() as u64).to_le_bytes());
+    h.update(cache_salt.as_bytes());
+    h.digest()
+}
+
+/// The hash of one block given its tokens and the previous block's hash (or the seed).
+pub fn block_hash(tokens: &[u32], parent: u64) -> u64 {
+    let mut bytes = [0u8; 16 * 4];
+    let own = if tokens.len() <= 16 {
+        for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&t.to_le_bytes());
+        }
+        xxh64(&bytes[..tokens.len() * 4], 0)
+    } else {
+        let mut h = Xxh64::new(0);
+        for t in tokens {
+            h.update(&t.to_le_bytes());
+        }
+        h.digest()
+    };
+    let mut pair = [0u8; 16];
+    pair[..8].copy_from_slice(&own.to_le_bytes());
+    pair[8..].copy_from_slice(&parent.to_le_bytes());
+    xxh64(&pair, 0)
+}
+
+/// Chained hashes of `tokens`, appended to `out`.
+pub fn chain_hashes_into(tokens: &[u32], seed: u64, config: HashConfig, out: &mut Vec<u64>) {
+    let block_size = config.block_size.max(1);
+    let mut parent = seed;
+    for block in tokens.chunks(block_size) {
+        if block.len() < block_size && !config.include_partial {
+            break;
+        }
+        parent = block_hash(block, parent);
+        out.push(parent);
+    }
+}
+
+/// Chained hashes of `tokens`.
+pub fn chain_hashes(tokens: &[u32], seed: u64, config: HashConfig) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / config.block_size.max(1) + 1);
+    chain_hashes_into(tokens, seed, config, &mut out);
+    out
+}
+
+/// One hash chain per prompt of a request, plus token counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockHashes {
+    /// One chain per prompt (chat requests have exactly one).
+    pub chains: Vec<Vec<u64>>,
+    /// Tokens per prompt, in the same order.
+    pub tokens: Vec<usize>,
+    pub block_size: usize,
+}
+
+impl BlockHashes {
+    pub fn total_blocks(&self) -> usize {
+        self.chains.iter().map(Vec::len).sum()
+    }
+
+    pub fn total_tokens(&self) -> usize {
+        self.tokens.iter().sum()
+    }
+
+    /// Every hash of every chain, in order.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.chains.iter().flatten().copied()
+    }
+}
+
+/// Token ids of one prompt.
+pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
+    match prompt {
+        Prompt::Text(text) => {
+            let mut tokens = Vec::with_capacity(text.len() / 4 + 1);
+            tokenize_into(text, &mut tokens);
+            tokens
+        }
+        Prompt::Tokens(ids) => ids.clone(),
+    }
+}
+
+/// The whole front half of the pipeline: parsed request → tokens → block hashes.
+pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes {
+    let seed = chain_seed(&request.model, request.cache_salt.as_deref().unwrap_or(""));
+    let mut hashes = BlockHashes {
+        chains: Vec::with_capacity(request.prompts.len()),
+        tokens: Vec::with_capacity(request.prompts.len()),
+        block_size: config.block_size.max(1),
+    };
+    for prompt in &request.prompts {
+        let tokens = prompt_tokens(prompt);
+        hashes.tokens.push(tokens.len());
+        hashes.chains.push(chain_hashes(&tokens, seed, config));
+    }
+    hashes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const FULL: HashConfig = HashConfig {
+        block_size: 4,
+        include_partial: false,
+    };
+
+    #[test]
+    fn seed_is_length_prefixed() {
+        assert_ne!(chain_seed("ab", "c"), chain_seed("a", "bc"));
+        assert_ne!(chain_seed("m", ""), chain_seed("", "m"));
+        assert_eq!(chain_seed("m", "s"), chain_seed("m", "s"));
+    }
+
+    #[test]
+    fn partial_block_is_hashed_only_when_asked() {
+        let tokens: Vec<u32> = (0..10).collect();
+        assert_eq!(chain_hashes(&tokens, 1, FULL).len(), 2);
+        let with_partial = HashConfig {
+            include_partial: true,
+            ..FULL
+        };
+        let all = chain_hashes(&tokens, 1, with_partial);
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[..2], chain_hashes(&tokens, 1, FULL)[..]);
+    }
+
+    #[test]
+    fn long_blocks_hash_like_the_short_path_would() {
+        // Blocks above 16 tokens take the streaming path; it must agree with one-shot xxh64.
+        let tokens: Vec<u32> = (0..40).collect();
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let own = xxh64(&bytes, 0);
+        let mut pair = own.to_le_bytes().to_vec();
+        pair.extend_from_slice(&9u64.to_le_bytes());
+        assert_eq!(block_hash(&tokens, 9), xxh64(&pair, 0));
+    }
+
+    #[test]
+    fn request_hashes_cover_each_prompt() {
+        let req =
+            crate::request::parse_request(br#"{"model":"m","prompt":["a b c d e","x"]}"#).unwrap();
+        let h = hash_request(
+            &req,
+            HashConfig {
+                block_size: 2,
+                include_partial: true,
+            },
+        );
+        assert_eq!(h.tokens, vec![5, 1]);
+        assert_eq!(h.chains[0].len(), 3);
+        assert_eq!(h.chains[1].len(), 1);
+        assert_eq!(h.total_blocks(), 4);
+        assert_eq!(h.iter().count(), 4);
+    }
+
+    fn shared_prefix_pair() -> impl Strategy<Value = (Vec<u32>, Vec<u32>, usize)> {
+        (0usize..80, 0usize..40, 0usize..40, any::<u64>()).prop_map(|(k, a, b, s)| {
+            let mut x = s;
+            let mut next = || {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 33) as u32
+            };
+            let prefix: Vec<u32> = (0..k).map(|_| next()).collect();
+            let mut left = prefix.clone();
+            let mut right = prefix;
+            // The first token after the shared prefix differs, so exactly k tokens are shared.
+            let first = next();
+            left.push(first);
+            right.push(first ^ 1);
+            left.extend((0..a).map(|_| next()));
+            right.extend((0..b).map(|_| next()));
+            (left, right, k)
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn sharing_k_tokens_shares_exactly_floor_k_over_bs_hashes(
+            (left, right, k) in shared_prefix_pair(),
+            block_size in 1usize..9,
+            include_partial in any::<bool>(),
+        ) {
+            let config = HashConfig { block_size, include_partial };
+            let seed = chain_seed("model", "");
+            let a = chain_hashes(&left, seed, config);
+            let b = chain_hashes(&right, seed, config);
+            let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+            prop_assert_eq!(shared, k / block_size);
+            // No later position may collide either: chaining makes every later hash differ.
+            for (x, y) in a.iter().zip(&b).skip(shared) {
+                prop_assert_ne!(x, y);
+            }
+        }
+
+        #[test]
+        fn different_salt_or_model_shares_no_hash(
+            tokens in proptest::collection::vec(any::<u32>(), 1..64),
+            block_size in 1usize..9,
+            salt in "[a-z]{0,6}",
+        ) {
+            let config = HashConfig { block_size, include_partial: true };
+            let base = chain_hashes(&tokens, chain_seed("m", &salt), config);
+            let salted = chain_hashes(&tokens, chain_seed("m", &format!("{salt}x")), config);
+            let other_model = chain_hashes(&tokens, chain_seed("m2", &salt), config);
+            for h in &base {
+                prop_assert!(!salted.contains(h));
+                prop_assert!(!other_model.contains(h));
+            }
+        }
+    }
+}

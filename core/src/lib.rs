@@ -1,0 +1,28 @@
+//! prefixroute-core: the routing brain shared by the Envoy plugin, the CLI and the web demo.
+//!
+//! Data flows through small steps, each its own module:
+//! body → prompt ([`request`]) → tokens ([`tokenizer`]) → block hashes ([`hashing`]) →
+//! index lookup ([`index`]) → scores ([`scorer`]) → pick → commit ([`router`]).
+//!
+//! Everything here is pure and deterministic: no threads, files, clocks or sockets, so the
+//! same code runs natively, in the proxy-wasm plugin and in the browser. Randomness comes from
+//! a seed the caller passes; time comes from the caller as numbers.
+
+pub mod config;
+pub mod disagg;
+pub mod hashing;
+pub mod index;
+pub mod metrics;
+pub mod replica;
+pub mod request;
+pub mod router;
+pub mod scorer;
+pub mod sim;
+pub mod stats;
+pub mod tokenizer;
+pub mod trace;
+
+pub use hashing::{BlockHashes, HashConfig};
+pub use index::{PrefixIndex, PrefixStore};
+pub use request::{parse_request, ParsedRequest, RequestError};
+pub use router::{Decision, EndpointLoad, Policy, Router, RouterConfig, Weights};

@@ -1,0 +1,391 @@
+//! The simulator: a trace through the router in front of simulated vLLM replicas.
+//!
+//! Each request arrives at its trace time, the router sees every replica's queue and KV-cache
+//! usage at that instant (a perfectly fresh scrape), picks, the replica serves (its own prefix
+//! cache decides hits, not the router's belief), and the router commits. It is stepwise so the
+//! web demo can show one decision at a time.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::hashing::{hash_request, BlockHashes};
+use crate::replica::{ReplicaSim, ReplicaTiming, Served};
+use crate::request::{parse_value, RequestError};
+use crate::router::{Decision, EndpointLoad, Router, RouterConfig};
+use crate::stats::{groups_on_one_endpoint, percentile};
+use crate::trace::TraceRecord;
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum SimError {
+    #[error("request {index} ({group}): {source}")]
+    BadRequest {
+        index: usize,
+        group: String,
+        source: RequestError,
+    },
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("replicas must be at least 1")]
+    NoReplicas,
+}
+
+/// The simulated fleet and the router in front of it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SimConfig {
+    pub replicas: usize,
+    /// Prefix-cache capacity of each replica, in blocks.
+    pub cache_blocks: usize,
+    pub timing: ReplicaTiming,
+    pub router: RouterConfig,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            replicas: 3,
+            cache_blocks: 64,
+            timing: ReplicaTiming::default(),
+            router: RouterConfig::default(),
+        }
+    }
+}
+
+/// A trace request, parsed and hashed once.
+#[derive(Debug, Clone)]
+pub struct SimRequest {
+    pub t: f64,
+    pub group: String,
+    pub hashes: BlockHashes,
+    pub output_tokens: usize,
+}
+
+/// One simulated request: the decision and what the chosen replica did with it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Step {
+    pub index: usize,
+    pub t: f64,
+    pub group: String,
+    pub decision: Decision,
+    pub served: Served,
+}
+
+impl Step {
+    /// `#3 tenant-1: prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`
+    pub fn summary(&self, names: &[String]) -> String {
+        format!(
+            "#{} {}: {}",
+            self.index,
+            self.group,
+            self.decision.summary(names)
+        )
+    }
+}
+
+/// Results of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SimReport {
+    pub policy: String,
+    pub requests: usize,
+    /// Server-side prefix-cache hit rate in tokens (hits / queries), 0..1.
+    pub hit_rate: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p95_ms: f64,
+    pub queue_p95: f64,
+    pub groups_on_one: usize,
+    pub groups: usize,
+    pub requests_per_replica: Vec<usize>,
+    /// Per group, requests per replica (for "did the hot tenant spill?").
+    pub group_replicas: Vec<(String, Vec<usize>)>,
+}
+
+/// Names replicas `replica-0`, `replica-1`, … as the CLI and the demo show them.
+pub fn replica_names(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("replica-{i}")).collect()
+}
+
+/// Parses and hashes a trace for the router's block size.
+pub fn prepare(trace: &[TraceRecord], router: &RouterConfig) -> Result<Vec<SimRequest>, SimError> {
+    trace
+        .iter()
+        .enumerate()
+        .map(|(index, record)| {
+            let parsed = parse_value(&record.body).map_err(|source| SimError::BadRequest {
+                index,
+                group: record.group.clone(),
+                source,
+            })?;
+            Ok(SimRequest {
+                t: record.t,
+                group: record.group.clone(),
+                hashes: hash_request(&parsed, router.hash),
+                output_tokens: parsed.max_tokens.unwrap_or(16) as usize,
+            })
+        })
+        .collect()
+}
+
+/// A run in progress.
+pub struct Simulation {
+    requests: Vec<SimRequest>,
+    router: Router,
+    replicas: Vec<ReplicaSim>,
+    steps: Vec<Step>,
+}
+
+impl Simulation {
+    pub fn new(trace: &[TraceRecord], config: SimConfig) -> Result<Self, SimError> {
+        config.router.validate()?;
+        if config.replicas == 0 {
+            return Err(SimError::NoReplicas);
+        }
+        let requests = prepare(trace, &config.router)?;
+        Ok(Simulation {
+            requests,
+            router: Router::new(config.router, config.replicas),
+            replicas: (0..config.replicas)
+                .map(|_| {
+                    ReplicaSim::new(
+                        config.cache_blocks,
+                        config.router.hash.block_size,
+                        config.timing,
+                    )
+                })
+                .collect(),
+            steps: Vec::new(),
+        })
+    }
+
+    pub fn replicas(&self) -> &[ReplicaSim] {
+        &self.replicas
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    pub fn requests(&self) -> &[SimRequest] {
+        &self.requests
+    }
+
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.steps.len() >= self.requests.len()
+    }
+
+    /// Runs the next request; `None` when the trace is exhausted.
+    pub fn step(&mut self) -> Option<&Step> {
+        let index = self.steps.len();
+        let request = self.requests.get(index)?;
+        let now_ms = request.t * 1000.0;
+        let loads: Vec<EndpointLoad> = self
+            .replicas
+            .iter_mut()
+            .map(|r| EndpointLoad::measured(r.waiting(now_ms) as f64, r.kv_usage(now_ms)))
+            .collect();
+        let decision = self.router.pick(&request.hashes, &loads);
+        let block_size = request.hashes.block_size;
+        // The server caches full blocks only: the router's chain minus any partial tail.
+        let prompts: Vec<(&[u64], usize)> = request
+            .hashes
+            .chains
+            .iter()
+            .zip(&request.hashes.tokens)
+            .map(|(chain, &tokens)| (&chain[..(tokens / block_size).min(chain.len())], tokens))
+            .collect();
+        let served =
+            self.replicas[decision.endpoint].admit(now_ms, &prompts, request.output_tokens);
+        self.router.commit(&decision, &request.hashes);
+        self.steps.push(Step {
+            index,
+            t: request.t,
+            group: request.group.clone(),
+            decision,
+            served,
+        });
+        self.steps.last()
+    }
+
+    pub fn run(&mut self) {
+        while self.step().is_some() {}
+    }
+
+    /// Summary of the steps run so far.
+    pub fn report(&self) -> SimReport {
+        let n = self.replicas.len();
+        let mut per_replica = vec![0; n];
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        for step in &self.steps {
+            per_replica[step.decision.endpoint] += 1;
+            match groups.iter_mut().find(|(g, _)| *g == step.group) {
+                Some((_, counts)) => counts[step.decision.endpoint] += 1,
+                None => {
+                    let mut counts = vec![0; n];
+                    counts[step.decision.endpoint] = 1;
+                    groups.push((step.group.clone(), counts));
+                }
+            }
+        }
+        groups.sort_by_key(|(name, _)| natural_key(name));
+        let hits: u64 = self.replicas.iter().map(|r| r.cache.hit_tokens()).sum();
+        let queries: u64 = self.replicas.iter().map(|r| r.cache.query_tokens()).sum();
+        let ttft: Vec<f64> = self.steps.iter().map(|s| s.served.ttft_ms).collect();
+        let queue: Vec<f64> = self
+            .steps
+            .iter()
+            .map(|s| s.served.queue_at_arrival as f64)
+            .collect();
+        let (groups_on_one, group_count) = groups_on_one_endpoint(
+            self.steps
+                .iter()
+                .map(|s| (s.group.as_str(), s.decision.endpoint)),
+        );
+        SimReport {
+            policy: self.router.config().policy.to_string(),
+            requests: self.steps.len(),
+            hit_rate: if queries == 0 {
+                0.0
+            } else {
+                hits as f64 / queries as f64
+            },
+            ttft_p50_ms: percentile(&ttft, 50.0),
+            ttft_p95_ms: percentile(&ttft, 95.0),
+            queue_p95: percentile(&queue, 95.0),
+            groups_on_one,
+            groups: group_count,
+            requests_per_replica: per_replica,
+            group_replicas: groups,
+        }
+    }
+}
+
+/// Sorts `tenant-10` after `tenant-9`.
+fn natural_key(name: &str) -> (String, u64) {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, number) = name.split_at(name.len() - digits);
+    (stem.to_string(), number.parse().unwrap_or(0))
+}
+
+/// Runs a whole trace.
+pub fn simulate(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport, SimError> {
+    let mut sim = Simulation::new(trace, config)?;
+    sim.run();
+    Ok(sim.report())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::trace::TraceSpec;
+
+    fn run(trace: &[TraceRecord], policy: Policy, lanes: usize) -> SimReport {
+        let mut config = SimConfig::default();
+        config.router.policy = policy;
+        config.timing.lanes = lanes;
+        simulate(trace, config).unwrap()
+    }
+
+    fn default_trace() -> Vec<TraceRecord> {
+        TraceSpec::default().generate().unwrap()
+    }
+
+    #[test]
+    fn prefix_beats_round_robin_and_least_queue_and_pins_every_tenant() {
+        let trace = default_trace();
+        let prefix = run(&trace, Policy::Prefix, 4);
+        let rr = run(&trace, Policy::RoundRobin, 4);
+        let lq = run(&trace, Policy::LeastQueue, 4);
+        assert!(
+            prefix.hit_rate > rr.hit_rate + 0.3,
+            "{} vs {}",
+            prefix.hit_rate,
+            rr.hit_rate
+        );
+        assert!(
+            prefix.hit_rate > lq.hit_rate + 0.3,
+            "{} vs {}",
+            prefix.hit_rate,
+            lq.hit_rate
+        );
+        assert_eq!(prefix.groups_on_one, prefix.groups);
+        assert!(prefix.ttft_p50_ms < rr.ttft_p50_ms);
+    }
+
+    #[test]
+    fn hot_tenant_spills_under_prefix_but_not_prefix_only() {
+        let trace = TraceSpec {
+            hot: Some(0.7),
+            rate: 40.0,
+            requests: 200,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .unwrap();
+        let replicas_of_hot = |r: &SimReport| {
+            let (_, counts) = r
+                .group_replicas
+                .iter()
+                .find(|(g, _)| g == "tenant-0")
+                .unwrap();
+            counts.iter().filter(|&&c| c > 0).count()
+        };
+        let prefix = run(&trace, Policy::Prefix, 2);
+        let only = run(&trace, Policy::PrefixOnly, 2);
+        assert!(replicas_of_hot(&prefix) >= 2, "{:?}", prefix.group_replicas);
+        assert_eq!(replicas_of_hot(&only), 1, "{:?}", only.group_replicas);
+        assert!(
+            only.ttft_p95_ms > 2.0 * prefix.ttft_p95_ms,
+            "prefix-only p95 {} vs prefix {}",
+            only.ttft_p95_ms,
+            prefix.ttft_p95_ms
+        );
+    }
+
+    #[test]
+    fn stepping_matches_a_full_run_and_reports_decisions() {
+        let trace = default_trace();
+        let mut sim = Simulation::new(&trace, SimConfig::default()).unwrap();
+        let first = sim.step().unwrap().clone();
+        assert_eq!(first.index, 0);
+        assert!(first.decision.cold);
+        assert_eq!(first.served.cached_tokens, 0);
+        sim.run();
+        assert!(sim.is_done());
+        assert!(sim.step().is_none());
+        assert_eq!(
+            sim.report(),
+            simulate(&trace, SimConfig::default()).unwrap()
+        );
+        let line = sim.steps()[3].summary(&replica_names(3));
+        assert!(line.starts_with("#3 tenant-"), "{line}");
+        assert!(line.contains(" blocks, score "), "{line}");
+    }
+
+    #[test]
+    fn bad_trace_bodies_are_reported_with_their_index() {
+        let mut trace = default_trace();
+        trace[2].body = serde_json::json!({"messages": 5});
+        let err = Simulation::new(&trace, SimConfig::default()).err().unwrap();
+        assert!(err.to_string().starts_with("request 2 (tenant-"), "{err}");
+    }
+
+    #[test]
+    fn groups_sort_naturally() {
+        let spec = TraceSpec {
+            tenants: 12,
+            requests: 200,
+            ..TraceSpec::default()
+        };
+        let report = run(&spec.generate().unwrap(), Policy::RoundRobin, 4);
+        let names: Vec<&str> = report
+            .group_replicas
+            .iter()
+            .map(|(g, _)| g.as_str())
+            .collect();
+        assert_eq!(names[9], "tenant-9");
+        assert_eq!(names[10], "tenant-10");
+    }
+}

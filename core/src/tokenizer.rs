@@ -1,0 +1,162 @@
+//! Tokens without a tokenizer.
+//!
+//! This is the scheme llm-d-inference-sim uses for models it has no tokenizer for: the text is
+//! split into pieces, each piece is either one punctuation character from a fixed set or a run of
+//! word characters, and each piece owns the whitespace that follows it. A token id is the 32-bit
+//! FNV-1a hash of the piece's text (including that whitespace). Characters that are neither
+//! (other symbols, non-ASCII letters) belong to no piece and are skipped, exactly as a regex
+//! `FindAll` would skip them.
+//!
+//! Word characters follow Go/RE2 `\w`: ASCII letters, digits and underscore only. RE2 is what the
+//! simulator uses, and the router only needs to agree with itself, so a non-ASCII letter is not a
+//! word character here (it is skipped); text in other scripts still yields tokens through its
+//! ASCII punctuation and digits, and the block hashes remain deterministic.
+//!
+//! The scanner is written by hand so the wasm plugin carries no regex engine.
+
+/// The single-character pieces.
+const PUNCTUATION: &[u8] = b"{}:,-.?!;@#$%^&*()+_~/\\><[]=\"'";
+
+fn is_word_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
+}
+
+fn is_punctuation(b: u8) -> bool {
+    PUNCTUATION.contains(&b)
+}
+
+/// Whitespace as RE2 `\s`: space, \t, \n, \f, \r (and \v, which Go's `\s` also matches).
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
+}
+
+/// 32-bit FNV-1a, as Go's `hash/fnv.New32a`.
+pub fn fnv1a32(bytes: &[u8]) -> u32 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for &b in bytes {
+        hash ^= u32::from(b);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    hash
+}
+
+/// Iterator over the pieces of a text, each with its trailing whitespace.
+pub struct Pieces<'a> {
+    bytes: &'a [u8],
+    text: &'a str,
+    pos: usize,
+}
+
+impl<'a> Iterator for Pieces<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        let bytes = self.bytes;
+        // Skip bytes that start no piece. Pieces start and end on ASCII bytes, so every slice
+        // below falls on a UTF-8 character boundary.
+        while self.pos < bytes.len() {
+            let b = bytes[self.pos];
+            if is_word_byte(b) || is_punctuation(b) {
+                break;
+            }
+            self.pos += 1;
+        }
+        if self.pos >= bytes.len() {
+            return None;
+        }
+        let start = self.pos;
+        // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
+        // leftmost-first, so `_` at the start of a piece is a piece of its own, while `_` inside
+        // a run of word characters continues the run.
+        if !is_punctuation(bytes[start]) {
+            while self.pos < bytes.len() && is_word_byte(bytes[self.pos]) {
+                self.pos += 1;
+            }
+        } else {
+            self.pos += 1;
+        }
+        while self.pos < bytes.len() && is_space(bytes[self.pos]) {
+            self.pos += 1;
+        }
+        Some(&self.text[start..self.pos])
+    }
+}
+
+/// The pieces of `text`, in order.
+pub fn pieces(text: &str) -> Pieces<'_> {
+    Pieces {
+        bytes: text.as_bytes(),
+        text,
+        pos: 0,
+    }
+}
+
+/// Token ids of `text`, appended to `out` (so callers can reuse one buffer).
+pub fn tokenize_into(text: &str, out: &mut Vec<u32>) {
+    out.extend(pieces(text).map(|piece| fnv1a32(piece.as_bytes())));
+}
+
+/// Token ids of `text`.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    let mut out = Vec::with_capacity(text.len() / 4 + 1);
+    tokenize_into(text, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces_of(text: &str) -> Vec<&str> {
+        pieces(text).collect()
+    }
+
+    #[test]
+    fn fnv1a32_matches_reference_vectors() {
+        // Reference values of the FNV-1a 32-bit test suite.
+        assert_eq!(fnv1a32(b""), 0x811c9dc5);
+        assert_eq!(fnv1a32(b"a"), 0xe40c292c);
+        assert_eq!(fnv1a32(b"foobar"), 0xbf9cf968);
+    }
+
+    #[test]
+    fn words_and_punctuation_own_trailing_whitespace() {
+        assert_eq!(
+            pieces_of("Hello, world!  How are-you?\n"),
+            vec!["Hello", ", ", "world", "!  ", "How ", "are", "-", "you", "?\n"]
+        );
+    }
+
+    #[test]
+    fn leading_whitespace_and_unknown_symbols_are_skipped() {
+        assert_eq!(pieces_of("   a | b`c"), vec!["a ", "b", "c"]);
+        assert_eq!(pieces_of(""), Vec::<&str>::new());
+        assert_eq!(pieces_of(" \n\t"), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn underscore_continues_a_word_but_starts_none() {
+        assert_eq!(pieces_of("snake_case _x"), vec!["snake_case ", "_", "x"]);
+    }
+
+    #[test]
+    fn non_ascii_letters_are_not_word_characters() {
+        // RE2 `\w` is ASCII-only: "é" splits the word and is itself skipped.
+        assert_eq!(pieces_of("café au"), vec!["caf", "au"]);
+        assert_eq!(pieces_of("日本語 2024."), vec!["2024", "."]);
+    }
+
+    #[test]
+    fn token_ids_are_fnv_of_piece_with_whitespace() {
+        let ids = tokenize("a b");
+        assert_eq!(ids, vec![fnv1a32(b"a "), fnv1a32(b"b")]);
+        assert_ne!(tokenize("a b"), tokenize("ab"));
+    }
+
+    #[test]
+    fn tokenize_into_appends() {
+        let mut buf = vec![7];
+        tokenize_into("x", &mut buf);
+        assert_eq!(buf, vec![7, fnv1a32(b"x")]);
+    }
+}

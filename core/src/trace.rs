@@ -1,0 +1,545 @@
+//! Synthetic request traces: deterministic from a seed, written as JSONL by the CLI and replayed
+//! by the simulator, the load replayer and the web demo.
+
+use rand::Rng;
+use rand::SeedableRng;
+use rand_pcg::Pcg64Mcg;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use thiserror::Error;
+
+/// One request of a trace: when it is sent (seconds from the start), which group (tenant,
+/// conversation, document) it belongs to, and the OpenAI body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRecord {
+    pub t: f64,
+    pub group: String,
+    pub body: Value,
+}
+
+/// What kind of prefix sharing a trace exercises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TraceShape {
+    /// Tenants, each with its own long system prompt, asking short questions.
+    #[default]
+    Tenants,
+    /// Multi-turn conversations that all start with one shared system prompt and grow by a
+    /// question and an answer per turn.
+    Conversations,
+    /// Retrieval-augmented generation: a few long documents, many questions about each.
+    Rag,
+}
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum TraceError {
+    #[error("{field} must be {expected}")]
+    Invalid {
+        field: &'static str,
+        expected: &'static str,
+    },
+    #[error("line {line}: {message}")]
+    Parse { line: usize, message: String },
+}
+
+/// Parameters of a generated trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TraceSpec {
+    pub shape: TraceShape,
+    /// Groups: tenants, conversations or documents.
+    pub tenants: usize,
+    pub prompt_words: usize,
+    pub question_words: usize,
+    /// Mean arrivals per second (Poisson); 0 sends everything back to back at t = 0.
+    pub rate: f64,
+    pub requests: usize,
+    /// Share of traffic for group 0; the rest is spread evenly over the others.
+    pub hot: Option<f64>,
+    pub model: String,
+    pub max_tokens: u32,
+    pub seed: u64,
+}
+
+impl Default for TraceSpec {
+    fn default() -> Self {
+        TraceSpec {
+            shape: TraceShape::Tenants,
+            tenants: 8,
+            prompt_words: 180,
+            question_words: 12,
+            rate: 20.0,
+            requests: 64,
+            hot: None,
+            model: "cc-sim".into(),
+            max_tokens: 16,
+            seed: 42,
+        }
+    }
+}
+
+const WORDS: &[&str] = &[
+    "account",
+    "agent",
+    "answer",
+    "archive",
+    "audit",
+    "balance",
+    "batch",
+    "billing",
+    "branch",
+    "budget",
+    "cache",
+    "catalog",
+    "channel",
+    "claim",
+    "client",
+    "cluster",
+    "code",
+    "compliance",
+    "contract",
+    "customer",
+    "data",
+    "deadline",
+    "delivery",
+    "deploy",
+    "design",
+    "device",
+    "discount",
+    "document",
+    "draft",
+    "email",
+    "engine",
+    "error",
+    "estimate",
+    "event",
+    "export",
+    "feature",
+    "field",
+    "file",
+    "filter",
+    "forecast",
+    "format",
+    "gateway",
+    "guide",
+    "handler",
+    "history",
+    "incident",
+    "index",
+    "invoice",
+    "issue",
+    "job",
+    "journal",
+    "key",
+    "ledger",
+    "license",
+    "limit",
+    "log",
+    "market",
+    "memo",
+    "metric",
+    "model",
+    "module",
+    "network",
+    "node",
+    "notice",
+    "order",
+    "owner",
+    "package",
+    "partner",
+    "patch",
+    "payment",
+    "plan",
+    "policy",
+    "portal",
+    "price",
+    "priority",
+    "product",
+    "profile",
+    "project",
+    "quota",
+    "record",
+    "refund",
+    "region",
+    "release",
+    "report",
+    "request",
+    "resource",
+    "review",
+    "risk",
+    "route",
+    "rule",
+    "sale",
+    "schedule",
+    "schema",
+    "score",
+    "server",
+    "service",
+    "session",
+    "shipment",
+    "signal",
+    "source",
+    "status",
+    "storage",
+    "supplier",
+    "support",
+    "system",
+    "table",
+    "target",
+    "task",
+    "team",
+    "template",
+    "tenant",
+    "ticket",
+    "token",
+    "tracker",
+    "update",
+    "user",
+    "vendor",
+    "version",
+    "volume",
+    "warehouse",
+    "workflow",
+    "always",
+    "never",
+    "carefully",
+    "quickly",
+    "clearly",
+    "politely",
+    "briefly",
+    "exactly",
+    "only",
+    "first",
+    "then",
+    "before",
+    "after",
+    "when",
+    "unless",
+    "check",
+    "confirm",
+    "explain",
+    "list",
+    "summarize",
+    "reply",
+    "escalate",
+    "verify",
+    "compare",
+    "describe",
+    "use",
+    "keep",
+    "avoid",
+    "include",
+    "mention",
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "for",
+    "with",
+    "in",
+    "on",
+    "by",
+    "each",
+    "every",
+    "your",
+    "our",
+    "their",
+];
+
+fn words(rng: &mut Pcg64Mcg, count: usize) -> String {
+    let mut text = String::with_capacity(count * 8);
+    for i in 0..count {
+        let word = WORDS[rng.gen_range(0..WORDS.len())];
+        let sentence_end = i + 1 == count || rng.gen_range(0..12) == 0;
+        text.push_str(word);
+        text.push_str(if sentence_end {
+            if i + 1 == count {
+                "."
+            } else {
+                ". "
+            }
+        } else if rng.gen_range(0..10) == 0 {
+            ", "
+        } else {
+            " "
+        });
+    }
+    text
+}
+
+impl TraceSpec {
+    pub fn validate(&self) -> Result<(), TraceError> {
+        let invalid = |field, expected| Err(TraceError::Invalid { field, expected });
+        if self.tenants == 0 {
+            return invalid("tenants", "at least 1");
+        }
+        if !(self.rate.is_finite() && self.rate >= 0.0) {
+            return invalid("rate", "a finite number >= 0");
+        }
+        if let Some(hot) = self.hot {
+            if !(0.0..=1.0).contains(&hot) {
+                return invalid("hot", "a share in 0..1");
+            }
+        }
+        if self.question_words == 0 && self.prompt_words == 0 {
+            return invalid("prompt_words", "at least 1 (with question_words)");
+        }
+        Ok(())
+    }
+
+    fn pick_group(&self, rng: &mut Pcg64Mcg) -> usize {
+        match self.hot {
+            Some(hot) if self.tenants > 1 => {
+                if rng.gen_bool(hot) {
+                    0
+                } else {
+                    1 + rng.gen_range(0..self.tenants - 1)
+                }
+            }
+            _ => rng.gen_range(0..self.tenants),
+        }
+    }
+
+    /// Generates the trace. The same spec always gives the same trace.
+    pub fn generate(&self) -> Result<Vec<TraceRecord>, TraceError> {
+        self.validate()?;
+        let mut rng = Pcg64Mcg::seed_from_u64(self.seed);
+        let shared_system = format!(
+            "You are the assistant of this service. {}",
+            words(&mut rng, self.prompt_words)
+        );
+        let group_texts: Vec<String> = (0..self.tenants)
+            .map(|i| match self.shape {
+                TraceShape::Tenants => format!(
+                    "You are the assistant of tenant {i}. {}",
+                    words(&mut rng, self.prompt_words)
+                ),
+                TraceShape::Conversations => String::new(),
+                TraceShape::Rag => format!("Document {i}: {}", words(&mut rng, self.prompt_words)),
+            })
+            .collect();
+        let mut conversations: Vec<Vec<Value>> = vec![Vec::new(); self.tenants];
+        let mut t = 0.0f64;
+        let mut records = Vec::with_capacity(self.requests);
+        for _ in 0..self.requests {
+            if self.rate > 0.0 {
+                // Exponential inter-arrival times make a Poisson process.
+                let u: f64 = rng.gen_range(f64::EPSILON..1.0);
+                t += -u.ln() / self.rate;
+            }
+            let g = self.pick_group(&mut rng);
+            let question = words(&mut rng, self.question_words.max(1));
+            let (group, messages) = match self.shape {
+                TraceShape::Tenants => (
+                    format!("tenant-{g}"),
+                    vec![
+                        json!({"role": "system", "content": group_texts[g]}),
+                        json!({"role": "user", "content": question}),
+                    ],
+                ),
+                TraceShape::Rag => (
+                    format!("doc-{g}"),
+                    vec![
+                        json!({"role": "system", "content": "Answer from the document only."}),
+                        json!({"role": "user", "content": format!("{}\n\nQuestion: {question}", group_texts[g])}),
+                    ],
+                ),
+                TraceShape::Conversations => {
+                    let history = &mut conversations[g];
+                    if history.is_empty() {
+                        history.push(json!({"role": "system", "content": shared_system}));
+                    } else {
+                        let answer = words(&mut rng, self.question_words.max(1) * 2);
+                        history.push(json!({"role": "assistant", "content": answer}));
+                    }
+                    history.push(json!({"role": "user", "content": question}));
+                    (format!("conv-{g}"), history.clone())
+                }
+            };
+            records.push(TraceRecord {
+                t: (t * 1e6).round() / 1e6,
+                group,
+                body: json!({"model": self.model, "messages": messages, "max_tokens": self.max_tokens}),
+            });
+        }
+        Ok(records)
+    }
+}
+
+/// Reads a JSONL trace; blank lines are skipped, every other line must be a record.
+pub fn parse_jsonl(text: &str) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut records = Vec::new();
+    let mut last_t = f64::NEG_INFINITY;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: TraceRecord = serde_json::from_str(line).map_err(|e| TraceError::Parse {
+            line: i + 1,
+            message: e.to_string(),
+        })?;
+        if !(record.t.is_finite() && record.t >= 0.0) {
+            return Err(TraceError::Parse {
+                line: i + 1,
+                message: format!(
+                    "t must be a finite number of seconds >= 0, got {}",
+                    record.t
+                ),
+            });
+        }
+        if record.t < last_t {
+            return Err(TraceError::Parse {
+                line: i + 1,
+                message: format!("t goes backwards ({} after {last_t})", record.t),
+            });
+        }
+        last_t = record.t;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+/// Writes records as JSONL (one compact JSON object per line).
+pub fn to_jsonl(records: &[TraceRecord]) -> String {
+    let mut out = String::new();
+    for r in records {
+        // A record is plain data; serialising it cannot fail.
+        out.push_str(&serde_json::to_string(r).unwrap_or_default());
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_trace_other_seed_other_trace() {
+        let a = TraceSpec::default().generate().unwrap();
+        let b = TraceSpec::default().generate().unwrap();
+        let c = TraceSpec {
+            seed: 7,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a.len(), 64);
+    }
+
+    #[test]
+    fn poisson_rate_is_roughly_respected_and_zero_rate_is_back_to_back() {
+        let spec = TraceSpec {
+            requests: 2000,
+            rate: 20.0,
+            ..TraceSpec::default()
+        };
+        let trace = spec.generate().unwrap();
+        let span = trace.last().unwrap().t;
+        let measured = 2000.0 / span;
+        assert!((16.0..24.0).contains(&measured), "{measured}");
+        assert!(trace.windows(2).all(|w| w[0].t <= w[1].t));
+        let flat = TraceSpec {
+            rate: 0.0,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .unwrap();
+        assert!(flat.iter().all(|r| r.t == 0.0));
+    }
+
+    #[test]
+    fn hot_tenant_gets_its_share() {
+        let spec = TraceSpec {
+            requests: 1000,
+            hot: Some(0.7),
+            ..TraceSpec::default()
+        };
+        let hot = spec
+            .generate()
+            .unwrap()
+            .iter()
+            .filter(|r| r.group == "tenant-0")
+            .count();
+        assert!((630..770).contains(&hot), "{hot}");
+    }
+
+    #[test]
+    fn tenants_share_their_system_prompt() {
+        let trace = TraceSpec::default().generate().unwrap();
+        let system = |r: &TraceRecord| {
+            r.body["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let t0: Vec<&TraceRecord> = trace.iter().filter(|r| r.group == "tenant-0").collect();
+        assert!(t0.len() > 1);
+        assert!(t0.iter().all(|r| system(r) == system(t0[0])));
+        let other = trace.iter().find(|r| r.group != "tenant-0").unwrap();
+        assert_ne!(system(other), system(t0[0]));
+        // 180 words plus punctuation.
+        assert!(crate::tokenizer::tokenize(&system(t0[0])).len() > 180);
+    }
+
+    #[test]
+    fn conversations_grow_turn_by_turn() {
+        let spec = TraceSpec {
+            shape: TraceShape::Conversations,
+            tenants: 2,
+            requests: 10,
+            ..TraceSpec::default()
+        };
+        let trace = spec.generate().unwrap();
+        let conv: Vec<&TraceRecord> = trace.iter().filter(|r| r.group == "conv-0").collect();
+        let lens: Vec<usize> = conv
+            .iter()
+            .map(|r| r.body["messages"].as_array().unwrap().len())
+            .collect();
+        assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+    }
+
+    #[test]
+    fn jsonl_round_trips_and_reports_bad_lines() {
+        let trace = TraceSpec {
+            requests: 5,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .unwrap();
+        assert_eq!(parse_jsonl(&to_jsonl(&trace)).unwrap(), trace);
+        let err = parse_jsonl("{\"t\":0,\"group\":\"g\",\"body\":{}}\nnot json\n").unwrap_err();
+        assert!(err.to_string().starts_with("line 2: "), "{err}");
+        assert!(parse_jsonl(
+            "{\"t\":1,\"group\":\"g\",\"body\":{}}\n{\"t\":0,\"group\":\"g\",\"body\":{}}"
+        )
+        .is_err());
+        assert!(parse_jsonl("{\"t\":0,\"group\":\"g\",\"body\":{},\"x\":1}").is_err());
+    }
+
+    #[test]
+    fn invalid_specs_are_refused() {
+        assert!(TraceSpec {
+            tenants: 0,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .is_err());
+        assert!(TraceSpec {
+            hot: Some(1.5),
+            ..TraceSpec::default()
+        }
+        .generate()
+        .is_err());
+        assert!(TraceSpec {
+            rate: -1.0,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .is_err());
+    }
+}
