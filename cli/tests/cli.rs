@@ -68,7 +68,9 @@ fn hit_rate(rows: &[Vec<String>], policy: &str) -> f64 {
 #[test]
 fn simulate_default_trace_shows_prefix_far_ahead_with_every_tenant_pinned() {
     let trace = temp("default.jsonl");
-    assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()]).status.success());
+    assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()])
+        .status
+        .success());
     let rows = simulate_rows(&trace, &[]);
     assert_eq!(rows.len(), 5, "one row per policy");
     let prefix = hit_rate(&rows, "prefix");
@@ -81,7 +83,9 @@ fn simulate_default_trace_shows_prefix_far_ahead_with_every_tenant_pinned() {
 #[test]
 fn simulate_shows_decisions_in_the_documented_form() {
     let trace = temp("decisions.jsonl");
-    assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()]).status.success());
+    assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()])
+        .status
+        .success());
     let out = prefixroute(&[
         "simulate",
         trace.to_str().unwrap(),
@@ -91,7 +95,10 @@ fn simulate_shows_decisions_in_the_documented_form() {
         "5",
     ]);
     let text = stdout(&out);
-    let line = text.lines().find(|l| l.starts_with("#3 ")).expect("decision #3");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("#3 "))
+        .expect("decision #3");
     assert!(line.contains(": prefix -> replica-"), "{line}");
     assert!(line.contains(" blocks, score "), "{line}");
     assert!(line.contains(", next replica-"), "{line}");
@@ -109,7 +116,12 @@ fn hash_reads_a_body_and_a_plain_prompt() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
         child.wait_with_output().unwrap()
     };
     let body = r#"{"model":"m","messages":[{"role":"user","content":"one two three four five"}]}"#;
@@ -126,7 +138,11 @@ fn hash_reads_a_body_and_a_plain_prompt() {
     assert_eq!(json["tokens"][0], 2);
     let bad = run("{\"messages\": 3}", &[]);
     assert_eq!(bad.status.code(), Some(2));
-    assert!(stderr(&bad).contains("`messages` must be an array"), "{}", stderr(&bad));
+    assert!(
+        stderr(&bad).contains("`messages` must be an array"),
+        "{}",
+        stderr(&bad)
+    );
 }
 
 #[test]
@@ -134,7 +150,10 @@ fn bad_flags_and_files_exit_2_with_one_clear_line() {
     let out = prefixroute(&["simulate", "/nonexistent/trace.jsonl"]);
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
-    assert!(err.starts_with("error: cannot read trace /nonexistent/trace.jsonl"), "{err}");
+    assert!(
+        err.starts_with("error: cannot read trace /nonexistent/trace.jsonl"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"));
 
     let bad = temp("bad.jsonl");

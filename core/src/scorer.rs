@@ -27,6 +27,35 @@ impl EndpointLoad {
     }
 }
 
+/// The load the router assumes for an endpoint, from its last fresh scrape (if any) and the
+/// requests this router has in flight to it.
+///
+/// A scrape is a snapshot; requests sent since are not in it. The router's own in-flight count
+/// covers what the server runs, what it queues and what is still on the wire, so
+/// `in_flight − running` is a lower bound on what waits there now; the queue estimate is the
+/// larger of that and the scraped queue. Without a fresh scrape the endpoint is unmeasured.
+pub fn estimate_load(
+    metrics: Option<&crate::metrics::EngineMetrics>,
+    in_flight: u32,
+    down: bool,
+) -> EndpointLoad {
+    let Some(m) = metrics else {
+        return EndpointLoad {
+            queue: None,
+            kv_usage: None,
+            down,
+        };
+    };
+    let waiting = m.num_requests_waiting.unwrap_or(0.0).max(0.0);
+    let running = m.num_requests_running.unwrap_or(0.0).max(0.0);
+    let unseen = (f64::from(in_flight) - running).max(0.0);
+    EndpointLoad {
+        queue: Some(waiting.max(unseen)),
+        kv_usage: m.kv_cache_usage_perc.map(|u| u.clamp(0.0, 1.0)),
+        down,
+    }
+}
+
 /// The optional match-length term of the prefix scorer:
 /// `w·min(1, matched_tokens/scale)² + (1−w)·ratio`. With `w = 0` it is the plain ratio.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -147,6 +176,25 @@ mod tests {
             EndpointLoad::measured(3.0, 0.0),
         ];
         assert_eq!(queue_scores(&equal), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn load_estimate_combines_scrape_and_in_flight() {
+        use crate::metrics::EngineMetrics;
+        let m = EngineMetrics {
+            num_requests_waiting: Some(2.0),
+            num_requests_running: Some(4.0),
+            kv_cache_usage_perc: Some(0.5),
+            ..EngineMetrics::default()
+        };
+        assert_eq!(estimate_load(Some(&m), 3, false).queue, Some(2.0));
+        assert_eq!(estimate_load(Some(&m), 9, false).queue, Some(5.0));
+        assert_eq!(estimate_load(Some(&m), 9, false).kv_usage, Some(0.5));
+        let unmeasured = estimate_load(None, 9, true);
+        assert_eq!(
+            (unmeasured.queue, unmeasured.kv_usage, unmeasured.down),
+            (None, None, true)
+        );
     }
 
     #[test]
