@@ -47,7 +47,7 @@ fn trace_is_deterministic_and_seed_dependent() {
     assert_eq!(read(&a).lines().count(), 64);
 }
 
-fn simulate_rows(trace: &PathBuf, extra: &[&str]) -> Vec<Vec<String>> {
+fn simulate_rows(trace: &std::path::Path, extra: &[&str]) -> Vec<Vec<String>> {
     let mut args = vec!["simulate", trace.to_str().unwrap()];
     args.extend_from_slice(extra);
     let out = prefixroute(&args);

@@ -1,7 +1,9 @@
 //! One module per subcommand; each only adapts I/O to `prefixroute-core`.
 
 mod disagg;
+mod fake_server;
 mod hash;
+mod replay;
 mod simulate;
 mod trace;
 
@@ -25,6 +27,10 @@ enum Command {
     Disagg(disagg::Args),
     /// Print the tokens and block hashes of a prompt or OpenAI body read from stdin.
     Hash(hash::Args),
+    /// Run a vLLM look-alike replica (OpenAI API, /metrics, real prefix cache, fake timing).
+    FakeServer(fake_server::Args),
+    /// Replay a trace against a live endpoint at its timestamps and report cache hits.
+    Replay(replay::Args),
 }
 
 pub fn run(cli: Cli) -> Result<()> {
@@ -33,6 +39,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Simulate(args) => simulate::run(args),
         Command::Disagg(args) => disagg::run(args),
         Command::Hash(args) => hash::run(args),
+        Command::FakeServer(args) => fake_server::run(args),
+        Command::Replay(args) => replay::run(args),
     }
 }
 

@@ -1,0 +1,173 @@
+//! `prefixroute fake-server`: a vLLM look-alike, so routers, Envoy and the replayer can be tested
+//! end to end without a GPU.
+//!
+//! It speaks the part of vLLM's OpenAI server a router touches (chat and completions, streaming,
+//! `/v1/models`, `/health`, `/metrics` with vLLM's names), and its prefix cache is core's
+//! `BlockCache`, so its hit counters mean exactly what the simulator's mean. Time is real: a
+//! request waits for a lane, then sleeps for its prefill and decode.
+
+mod engine;
+mod exposition;
+mod openai;
+mod routes;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+
+use engine::EngineConfig;
+use routes::Server;
+
+/// How long a stop waits for requests in flight before closing their connections.
+const DRAIN: Duration = Duration::from_secs(3);
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Port to listen on; 0 picks a free one (the start line on stderr names it).
+    #[arg(long)]
+    port: u16,
+    /// Replica name, returned in the `x-served-by` header of every response.
+    #[arg(long)]
+    name: String,
+    /// Address to bind. Only this address is listened on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Model served (`/v1/models`); requests naming another model get 404, as from vLLM.
+    #[arg(long, default_value = "cc-sim")]
+    model: String,
+    /// Prefix-cache capacity, in blocks (`num_gpu_blocks`).
+    #[arg(long, default_value_t = 64, value_parser = positive)]
+    kv_blocks: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16, value_parser = positive)]
+    block_size: usize,
+    /// Requests served at once; the rest wait (`vllm:num_requests_waiting`).
+    #[arg(long, default_value_t = 4, value_parser = lanes)]
+    lanes: usize,
+    /// Fixed prefill cost of every request, in ms.
+    #[arg(long, default_value_t = 5.0, value_parser = millis)]
+    prefill_overhead_ms: f64,
+    /// Prefill cost of each uncached prompt token, in ms.
+    #[arg(long, default_value_t = 1.0, value_parser = millis)]
+    prefill_ms_per_token: f64,
+    /// Cost of each output token after the first, in ms (spaces out stream chunks).
+    #[arg(long, default_value_t = 0.0, value_parser = millis)]
+    decode_ms_per_token: f64,
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("must be a whole number >= 1".into()),
+    }
+}
+
+fn lanes(s: &str) -> Result<usize, String> {
+    // tokio's semaphore holds at most usize::MAX >> 3 permits; a sane bound gives a clear error.
+    match positive(s)? {
+        n if n <= 1_000_000 => Ok(n),
+        _ => Err("must be at most 1000000".into()),
+    }
+}
+
+fn millis(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(ms) if ms.is_finite() && ms >= 0.0 => Ok(ms),
+        _ => Err("must be a number of milliseconds >= 0".into()),
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: Args) -> Result<()> {
+    let config = EngineConfig {
+        model: args.model,
+        kv_blocks: args.kv_blocks,
+        block_size: args.block_size,
+        lanes: args.lanes,
+        prefill_overhead_ms: args.prefill_overhead_ms,
+        prefill_ms_per_token: args.prefill_ms_per_token,
+        decode_ms_per_token: args.decode_ms_per_token,
+    };
+    let server = Arc::new(Server::new(args.name.clone(), config)?);
+    // Signal handlers go in before the start line, so a supervisor that stops the server as
+    // soon as it reports ready still gets a clean exit.
+    let mut stop = std::pin::pin!(shutdown_signal()?);
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let addr = listener.local_addr()?;
+    eprintln!("fake-server {} listening on http://{addr}", args.name);
+
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => serve_connection(&server, &graceful, stream),
+                Err(err) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    eprintln!("fake-server {}: accept failed: {err}", args.name);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            () = &mut stop => break,
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(DRAIN) => {}
+    }
+    eprintln!("fake-server {} stopped", args.name);
+    Ok(())
+}
+
+fn serve_connection(server: &Arc<Server>, graceful: &GracefulShutdown, stream: TcpStream) {
+    // Stream chunks are small and latency is what clients measure.
+    let _ = stream.set_nodelay(true);
+    let server = Arc::clone(server);
+    let service = service_fn(move |request| routes::handle(Arc::clone(&server), request));
+    // HTTP/1.1 only, like vLLM's uvicorn front end. The timer makes hyper enforce its
+    // header-read timeout, so a client that connects and sends nothing cannot pin a socket.
+    let connection = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(stream), service);
+    let connection = graceful.watch(connection);
+    tokio::spawn(async move {
+        // Clients hanging up mid-request is routine for a load test; nothing to report.
+        let _ = connection.await;
+    });
+}
+
+#[cfg(unix)]
+fn shutdown_signal() -> Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let mut terminate = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
+#[cfg(not(unix))]
+fn shutdown_signal() -> Result<impl Future<Output = ()>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+}

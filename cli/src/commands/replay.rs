@@ -1,0 +1,260 @@
+//! `prefixroute replay`: sends a trace to a live endpoint (router, Envoy or one replica) at the
+//! trace's timestamps and reports what happened: errors, latency, which endpoint served each
+//! group, the cached tokens the responses reported, and the servers' own hit counters.
+//!
+//! The replay is open-loop: request i leaves at start + t_i whether or not earlier ones have
+//! been answered, because that is how independent users load a service; a closed loop would
+//! slow down exactly when the service does and hide its queueing.
+
+mod client;
+mod counters;
+mod send;
+mod summary;
+
+use std::collections::BTreeSet;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use client::{BaseUrl, Failure, HttpClient};
+use counters::{MetricsTarget, ServerDelta};
+use send::{Outcome, Prepared};
+use summary::{ServerCounters, Summary};
+
+const JSON_FIELDS: &str = "\
+JSON output (--json) is one object; its field names are stable:
+  trace, url               the trace file and the base URL
+  requests                 requests in the trace (all were sent)
+  succeeded, errors        2xx answers / everything else
+  errors_by_kind           {kind: count}; kinds: http_<status>, timeout, connect, transport
+  error_examples           {kind: message of the first error of that kind}
+  duration_s               from the first send to the last answer
+  max_send_lag_ms          worst delay of a send behind its timestamp (near 0 unless
+                           --concurrency-limit or an overloaded client holds requests back)
+  latency_ms               {p50, p95, max}: send to last byte, successful requests only
+  endpoints                {endpoint: successful requests}; the endpoint is the response's
+                           x-prefixroute-endpoint header, else x-served-by, else \"unknown\"
+  groups_on_one_endpoint   {single, groups}: trace groups whose requests all went to one
+                           endpoint, out of the groups with a known endpoint
+  usage                    {prompt_tokens, cached_tokens, cached_ratio,
+                           responses_without_usage}: sums of the responses' usage
+                           (cached = usage.prompt_tokens_details.cached_tokens)
+  server_counters          null without --metrics; else {hits, queries, hit_rate, settled,
+                           servers: [{name, metrics_url, hits, queries, hit_rate}]}: growth of
+                           vllm:prefix_cache_hits_total / queries_total during the run, in tokens
+                           (settled: the query growth covered every prompt token reported in
+                           usage within --settle-s)
+Ratios are in 0..1 and null when nothing was counted; latencies are null when nothing succeeded.
+
+A streaming body without stream_options is sent with {\"include_usage\": true} so that its
+usage can be counted; every other body is sent exactly as written.
+
+Exit status: 0 when the replay ran (request errors are in the report); 2 when it could not
+start (bad trace, bad URL, unreadable --metrics server) or a server's counters could not be
+read afterwards (the report is printed first).";
+
+#[derive(clap::Args)]
+#[command(after_long_help = JSON_FIELDS)]
+pub struct Args {
+    /// Trace file (JSONL) from `prefixroute trace`.
+    trace: PathBuf,
+    /// Base URL requests are sent to, e.g. http://127.0.0.1:8080; bodies with `messages` go to
+    /// /v1/chat/completions, bodies with `prompt` to /v1/completions.
+    #[arg(long)]
+    url: String,
+    /// NAME=URL of a server whose prefix-cache counters are read before and after the run
+    /// (repeatable). A URL without a path means its /metrics.
+    #[arg(long = "metrics", value_name = "NAME=URL")]
+    metrics: Vec<String>,
+    /// At most N requests in flight; later ones leave late. Default: no limit.
+    #[arg(long, value_name = "N", value_parser = positive)]
+    concurrency_limit: Option<usize>,
+    /// Per-request limit (connect to last byte), also for each metrics read.
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
+    timeout_s: f64,
+    /// Longest wait after the run for the servers' counters to catch up with the responses.
+    #[arg(long, default_value_t = 10.0, value_parser = seconds)]
+    settle_s: f64,
+    /// Print one JSON object (fields below) instead of the text report.
+    #[arg(long)]
+    json: bool,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("must be a whole number >= 1".into()),
+    }
+}
+
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        // Capped at a day so the value always fits a Duration.
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
+        _ => Err("must be a number of seconds in (0, 86400]".into()),
+    }
+}
+
+fn metrics_targets(specs: &[String]) -> Result<Vec<MetricsTarget>> {
+    let mut names = BTreeSet::new();
+    let mut targets = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let target: MetricsTarget = spec.parse().with_context(|| format!("--metrics {spec}"))?;
+        if !names.insert(target.name.clone()) {
+            bail!("--metrics: the name {:?} is given twice", target.name);
+        }
+        targets.push(target);
+    }
+    Ok(targets)
+}
+
+/// Everything a run needs, checked before anything is sent.
+struct Run {
+    trace: String,
+    url: BaseUrl,
+    requests: Vec<Prepared>,
+    targets: Vec<MetricsTarget>,
+    limit: Option<usize>,
+    timeout: Duration,
+    settle: Duration,
+    progress: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let url = BaseUrl::parse(&args.url).context("--url")?;
+    let targets = metrics_targets(&args.metrics)?;
+    let records = super::read_trace(&args.trace)?;
+    let run = Run {
+        trace: args.trace.display().to_string(),
+        requests: send::prepare(&records, &url)?,
+        url,
+        targets,
+        limit: args.concurrency_limit,
+        timeout: Duration::from_secs_f64(args.timeout_s),
+        settle: Duration::from_secs_f64(args.settle_s),
+        progress: !args.no_progress && std::io::stderr().is_terminal(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let (summary, late_error) = runtime.block_on(replay(run))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", summary.text());
+    }
+    late_error.map_or(Ok(()), Err)
+}
+
+/// Runs the replay. A failure to read counters *after* the run does not discard the report:
+/// it comes back beside it, to be printed first.
+async fn replay(run: Run) -> Result<(Summary, Option<anyhow::Error>)> {
+    let client = HttpClient::new(run.timeout);
+    let before = counters::scrape_all(&client, &run.targets).await?;
+    let progress = progress_bar(run.requests.len(), run.progress);
+    let started = Instant::now();
+    let outcomes = fire(&client, run.requests, run.limit, &progress).await;
+    let duration = started.elapsed();
+    progress.finish_and_clear();
+
+    let reported: u64 = outcomes
+        .iter()
+        .filter_map(|o| o.result.as_ref().ok()?.usage)
+        .map(|u| u.prompt_tokens)
+        .sum();
+    let (server_counters, late_error) = if run.targets.is_empty() {
+        (None, None)
+    } else {
+        match counters::settle(&client, &run.targets, &before, reported, run.settle).await {
+            Ok((deltas, settled)) => {
+                let servers = run
+                    .targets
+                    .iter()
+                    .zip(deltas)
+                    .map(|(target, delta)| ServerDelta::new(target, delta))
+                    .collect();
+                (Some(ServerCounters::new(servers, settled)), None)
+            }
+            Err(err) => (None, Some(err.context("after the replay"))),
+        }
+    };
+    let summary = Summary::new(
+        run.trace,
+        run.url.to_string(),
+        &outcomes,
+        duration,
+        server_counters,
+    );
+    Ok((summary, late_error))
+}
+
+fn progress_bar(len: usize, visible: bool) -> ProgressBar {
+    if !visible {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} answered {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// Sends every request at its time, each from its own task, and collects the outcomes in trace
+/// order. With a limit, a request waits for a free slot and leaves late (recorded as lag).
+async fn fire(
+    client: &HttpClient,
+    requests: Vec<Prepared>,
+    limit: Option<usize>,
+    progress: &ProgressBar,
+) -> Vec<Outcome> {
+    let slots = limit.map(|n| Arc::new(Semaphore::new(n)));
+    let errors = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(requests.len());
+    for request in requests {
+        let due = start + request.at;
+        tokio::time::sleep_until(due).await;
+        let slot = match &slots {
+            // The semaphore is never closed, so acquiring only ever waits.
+            Some(slots) => Arc::clone(slots).acquire_owned().await.ok(),
+            None => None,
+        };
+        let group = request.group.clone();
+        let (client, progress, errors) = (client.clone(), progress.clone(), Arc::clone(&errors));
+        let task = tokio::spawn(async move {
+            let outcome = send::send(&client, request, due).await;
+            drop(slot);
+            if outcome.result.is_err() {
+                let n = errors.fetch_add(1, Ordering::Relaxed) + 1;
+                progress.set_message(format!("({n} errors)"));
+            }
+            progress.inc(1);
+            outcome
+        });
+        tasks.push((group, task));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for (group, task) in tasks {
+        outcomes.push(task.await.unwrap_or_else(|err| Outcome {
+            group,
+            send_lag: Duration::ZERO,
+            latency: Duration::ZERO,
+            result: Err(Failure::Transport(format!("request task failed: {err}"))),
+        }));
+    }
+    outcomes
+}

@@ -1,0 +1,180 @@
+//! Shared by the HTTP tests: a `prefixroute fake-server` child process on 127.0.0.1 and a tiny
+//! blocking HTTP/1.1 client. The client is hand-written on std's TcpStream so the tests check
+//! what actually goes over the wire (status line, headers, chunked SSE) with no client library
+//! smoothing it over.
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prefixroute_core::metrics::{parse_vllm, EngineMetrics, DEFAULT_PREFIX};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_prefixroute");
+
+/// A running fake server; killed when dropped, so a failing test leaves no process behind.
+pub struct FakeServer {
+    child: Child,
+    pub port: u16,
+    /// stderr lines after the start line, collected by a thread so the pipe never fills.
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl FakeServer {
+    /// Starts `fake-server --port 0 --name NAME EXTRA...` and reads the port from its start line.
+    pub fn start(name: &str, extra: &[&str]) -> FakeServer {
+        let mut child = Command::new(BIN)
+            .args(["fake-server", "--port", "0", "--name", name])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fake-server");
+        let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut first = String::new();
+        stderr.read_line(&mut first).expect("read start line");
+        let prefix = format!("fake-server {name} listening on http://127.0.0.1:");
+        let port = first
+            .trim_end()
+            .strip_prefix(&prefix)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected start line {first:?}"));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        FakeServer { child, port, log }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn get(&self, path: &str) -> Reply {
+        http(self.port, "GET", path, None)
+    }
+
+    pub fn post(&self, path: &str, body: &str) -> Reply {
+        http(self.port, "POST", path, Some(body))
+    }
+
+    /// `/metrics` through core's parser, as a router would read it.
+    pub fn metrics(&self) -> EngineMetrics {
+        let page = self.get("/metrics");
+        assert_eq!(page.status, 200);
+        parse_vllm(&page.body, DEFAULT_PREFIX, None).expect("metrics parse with core")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit by itself; None if it is still running after `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+}
+
+/// One request on a fresh connection (`Connection: close`, so the response ends at EOF).
+pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> Reply {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read response");
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> Reply {
+    let text = String::from_utf8_lossy(raw);
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {text:?}"));
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap().split(' ').nth(1).unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    Reply {
+        status: status.parse().unwrap(),
+        body: if chunked {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        },
+        headers,
+    }
+}
+
+fn dechunk(mut rest: &str) -> String {
+    let mut body = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(size.trim(), 16).expect("hex chunk size");
+        if size == 0 {
+            return body;
+        }
+        body.push_str(&after[..size]);
+        rest = &after[size + 2..];
+    }
+}
+
+/// A fresh scratch directory for this test binary.
+pub fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("prefixroute-http-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
