@@ -162,35 +162,30 @@ impl ReplicaSim {
         self.timing
     }
 
+    /// Forgets finished requests (keeps the in-flight list short on long runs).
     fn retire(&mut self, now_ms: f64) {
         self.in_flight.retain(|r| r.end_ms > now_ms);
     }
 
-    /// Requests admitted but not yet started (`vllm:num_requests_waiting`).
-    pub fn waiting(&mut self, now_ms: f64) -> usize {
-        self.retire(now_ms);
-        self.in_flight
-            .iter()
-            .filter(|r| r.start_ms > now_ms)
-            .count()
+    fn live(&self, now_ms: f64) -> impl Iterator<Item = &InFlight> {
+        self.in_flight.iter().filter(move |r| r.end_ms > now_ms)
     }
 
-    /// Requests being served (`vllm:num_requests_running`).
-    pub fn running(&mut self, now_ms: f64) -> usize {
-        self.retire(now_ms);
-        self.in_flight
-            .iter()
-            .filter(|r| r.start_ms <= now_ms)
-            .count()
+    /// Requests admitted but not yet started (`vllm:num_requests_waiting`) at `now_ms`.
+    pub fn waiting(&self, now_ms: f64) -> usize {
+        self.live(now_ms).filter(|r| r.start_ms > now_ms).count()
+    }
+
+    /// Requests being served (`vllm:num_requests_running`) at `now_ms`.
+    pub fn running(&self, now_ms: f64) -> usize {
+        self.live(now_ms).filter(|r| r.start_ms <= now_ms).count()
     }
 
     /// Share of cache blocks held privately by running sequences (`vllm:kv_cache_usage_perc`,
     /// without the shared prefix blocks, which every replica of a warm fleet holds alike).
-    pub fn kv_usage(&mut self, now_ms: f64) -> f64 {
-        self.retire(now_ms);
+    pub fn kv_usage(&self, now_ms: f64) -> f64 {
         let held: usize = self
-            .in_flight
-            .iter()
+            .live(now_ms)
             .filter(|r| r.start_ms <= now_ms)
             .map(|r| r.blocks)
             .sum();
@@ -205,6 +200,7 @@ impl ReplicaSim {
         prompts: &[(&[u64], usize)],
         output_tokens: usize,
     ) -> Served {
+        self.retire(now_ms);
         let queue_at_arrival = self.waiting(now_ms);
         let mut prompt_tokens = 0;
         let mut cached_tokens = 0;

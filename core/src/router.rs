@@ -261,6 +261,22 @@ impl<S: PrefixStore> Router<S> {
         self.store.forget_endpoint(endpoint);
     }
 
+    /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =
+    /// more recent, `None` = never).
+    pub fn last_cold(&self) -> &[Option<u64>] {
+        &self.last_cold
+    }
+
+    /// Replaces no-hit-lru's memory, e.g. with the view a proxy shares between its workers so
+    /// that they spread cold prefixes as one router. Entries beyond `last_cold` count as never;
+    /// the next cold request is stamped one past the largest time given.
+    pub fn set_last_cold(&mut self, last_cold: &[Option<u64>]) {
+        for (i, slot) in self.last_cold.iter_mut().enumerate() {
+            *slot = last_cold.get(i).copied().flatten();
+        }
+        self.cold_clock = self.last_cold.iter().flatten().copied().max().unwrap_or(0);
+    }
+
     fn next_in_rotation(&mut self, eligible: &[bool]) -> usize {
         let n = eligible.len();
         for step in 0..n {
@@ -278,7 +294,7 @@ impl<S: PrefixStore> Router<S> {
         if candidates.is_empty() {
             return 0;
         }
-        candidates[self.rng.gen_range(0..candidates.len())]
+        candidates[draw_index(&mut self.rng, candidates.len())]
     }
 
     /// Max-score picker; exact ties are broken by a seeded random draw so that equal endpoints
@@ -296,9 +312,15 @@ impl<S: PrefixStore> Router<S> {
         match tied.len() {
             0 => (0, false),
             1 => (tied[0], false),
-            k => (tied[self.rng.gen_range(0..k)], true),
+            k => (tied[draw_index(&mut self.rng, k)], true),
         }
     }
+}
+
+/// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
+/// proxy-wasm plugin) make exactly the same draws as native builds.
+pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
+    rng.gen_range(0..n as u64) as usize
 }
 
 fn best_other(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
@@ -411,6 +433,30 @@ mod tests {
         assert_ne!(picks(1), picks(2));
         let spread = picks(1);
         assert!((0..4).all(|e| spread.contains(&e)), "{spread:?}");
+    }
+
+    #[test]
+    fn shared_cold_history_steers_the_next_cold_pick() {
+        let mut a = router(Policy::Prefix, 3);
+        let d = a.pick(&hashes("first tenant"), &idle(3));
+        a.commit(&d, &hashes("first tenant"));
+        assert_eq!(a.last_cold()[d.endpoint], Some(1));
+        // A second router (another worker) that learns the first one's history avoids the
+        // endpoint that just took a cold prefix, as the first router itself would.
+        let mut b = router(Policy::Prefix, 3);
+        b.set_last_cold(a.last_cold());
+        let h = hashes("second tenant");
+        let (da, db) = (a.pick(&h, &idle(3)), b.pick(&h, &idle(3)));
+        assert_eq!(db.scores, da.scores);
+        assert_ne!(db.endpoint, d.endpoint);
+        b.commit(&db, &h);
+        assert_eq!(
+            b.last_cold()[db.endpoint],
+            Some(2),
+            "clock continues past the history"
+        );
+        b.set_last_cold(&[None]);
+        assert_eq!(b.last_cold(), &[None, None, None]);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::hashing::{hash_request, BlockHashes};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::request::{parse_value, RequestError};
 use crate::router::{Decision, EndpointLoad, Router, RouterConfig};
-use crate::stats::{groups_on_one_endpoint, percentile};
+use crate::stats::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
 
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -182,7 +182,7 @@ impl Simulation {
         let now_ms = request.t * 1000.0;
         let loads: Vec<EndpointLoad> = self
             .replicas
-            .iter_mut()
+            .iter()
             .map(|r| EndpointLoad::measured(r.waiting(now_ms) as f64, r.kv_usage(now_ms)))
             .collect();
         let decision = self.router.pick(&request.hashes, &loads);
@@ -259,13 +259,6 @@ impl Simulation {
             group_replicas: groups,
         }
     }
-}
-
-/// Sorts `tenant-10` after `tenant-9`.
-fn natural_key(name: &str) -> (String, u64) {
-    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
-    let (stem, number) = name.split_at(name.len() - digits);
-    (stem.to_string(), number.parse().unwrap_or(0))
 }
 
 /// Runs a whole trace.

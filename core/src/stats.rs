@@ -27,6 +27,13 @@ pub fn groups_on_one_endpoint<'a>(
     (single, seen.len())
 }
 
+/// A sort key that puts `tenant-10` after `tenant-9`.
+pub fn natural_key(name: &str) -> (String, u64) {
+    let digits = name.len() - name.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    let (stem, number) = name.split_at(name.len() - digits);
+    (stem.to_string(), number.parse().unwrap_or(0))
+}
+
 /// Max over mean of per-endpoint request counts: 1.0 is perfectly even.
 pub fn max_over_mean(counts: &[usize]) -> f64 {
     let total: usize = counts.iter().sum();

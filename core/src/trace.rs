@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use thiserror::Error;
 
+use crate::router::draw_index;
+
 /// One request of a trace: when it is sent (seconds from the start), which group (tenant,
 /// conversation, document) it belongs to, and the OpenAI body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,7 +253,7 @@ const WORDS: &[&str] = &[
 fn words(rng: &mut Pcg64Mcg, count: usize) -> String {
     let mut text = String::with_capacity(count * 8);
     for i in 0..count {
-        let word = WORDS[rng.gen_range(0..WORDS.len())];
+        let word = WORDS[draw_index(rng, WORDS.len())];
         let sentence_end = i + 1 == count || rng.gen_range(0..12) == 0;
         text.push_str(word);
         text.push_str(if sentence_end {
@@ -295,10 +297,10 @@ impl TraceSpec {
                 if rng.gen_bool(hot) {
                     0
                 } else {
-                    1 + rng.gen_range(0..self.tenants - 1)
+                    1 + draw_index(rng, self.tenants - 1)
                 }
             }
-            _ => rng.gen_range(0..self.tenants),
+            _ => draw_index(rng, self.tenants),
         }
     }
 
