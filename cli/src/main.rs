@@ -1,6 +1,7 @@
 //! `prefixroute`: the command line around the routing core.
 
 mod commands;
+mod envoy;
 
 use std::process::ExitCode;
 

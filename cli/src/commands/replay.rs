@@ -26,7 +26,8 @@ use tokio::time::Instant;
 use client::{BaseUrl, Failure, HttpClient};
 use counters::{MetricsTarget, ServerDelta};
 use send::{Outcome, Prepared};
-use summary::{ServerCounters, Summary};
+use summary::ServerCounters;
+pub use summary::Summary;
 
 const JSON_FIELDS: &str = "\
 JSON output (--json) is one object; its field names are stable:
@@ -155,6 +156,35 @@ pub fn run(args: Args) -> Result<()> {
         print!("{}", summary.text());
     }
     late_error.map_or(Ok(()), Err)
+}
+
+/// Replays already-read records without a progress bar (for `compare`, which drives several
+/// replays itself). Errors reading the counters afterwards are returned as errors.
+pub fn replay_records(
+    label: &str,
+    records: &[prefixroute_core::trace::TraceRecord],
+    url: &str,
+    metrics: &[String],
+    timeout: Duration,
+    settle: Duration,
+) -> Result<Summary> {
+    let url = BaseUrl::parse(url).context("--url")?;
+    let run = Run {
+        trace: label.to_string(),
+        requests: send::prepare(records, &url)?,
+        url,
+        targets: metrics_targets(metrics)?,
+        limit: None,
+        timeout,
+        settle,
+        progress: false,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let (summary, late_error) = runtime.block_on(replay(run))?;
+    late_error.map_or(Ok(summary), Err)
 }
 
 /// Runs the replay. A failure to read counters *after* the run does not discard the report:

@@ -1,0 +1,159 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use prefixroute_core::config::{PluginConfig, Policy, Weights};
+
+use crate::envoy::{self, Balancer, EnvoySetup};
+
+/// Envoy in front of model servers, routing with the prefixroute plugin (or, to compare like
+/// for like, with Envoy's own round-robin or least-request balancer).
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where clients connect.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Envoy's admin interface (keep it on loopback).
+    #[arg(long, default_value = "127.0.0.1:9901")]
+    admin: SocketAddr,
+    /// A model server: NAME=http://IP:PORT (repeat for each replica).
+    #[arg(long = "endpoint", required = true)]
+    endpoints: Vec<String>,
+    /// prefix, prefix-only, least-queue, random (the plugin), or round-robin, least-request
+    /// (Envoy's own balancers, no plugin).
+    #[arg(long, default_value = "prefix")]
+    policy: String,
+    #[command(flatten)]
+    plugin: PluginArgs,
+    /// Envoy binary (default: $ENVOY, envoy on PATH, or .venv/bin/envoy).
+    #[arg(long)]
+    envoy: Option<PathBuf>,
+    /// The plugin .wasm (default: the release build in the target directory).
+    #[arg(long)]
+    plugin_wasm: Option<PathBuf>,
+    /// Envoy worker threads.
+    #[arg(long, default_value_t = 2)]
+    concurrency: usize,
+    /// Print the Envoy configuration and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+/// The plugin's options (its JSON configuration, flag by flag).
+#[derive(clap::Args, Clone)]
+pub struct PluginArgs {
+    /// Scorer weights of the prefix policy.
+    #[arg(long, default_value_t = Weights::default())]
+    weights: Weights,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Index capacity per endpoint, in blocks.
+    #[arg(long, default_value_t = prefixroute_core::index::DEFAULT_CAPACITY_BLOCKS)]
+    index_capacity: usize,
+    #[arg(long, default_value_t = 1000)]
+    scrape_interval_ms: u64,
+    #[arg(long, default_value_t = 500)]
+    scrape_timeout_ms: u64,
+    #[arg(long, default_value_t = 5000)]
+    stale_after_ms: u64,
+    /// Consecutive failed scrapes that take an endpoint out of rotation.
+    #[arg(long, default_value_t = 2)]
+    failures_to_down: u32,
+    /// Header that carries the chosen ip:port to Envoy.
+    #[arg(long, default_value = "x-gateway-destination-endpoint")]
+    header: String,
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    #[arg(long, default_value = "vllm:")]
+    metric_prefix: String,
+    /// Only count metric series of this model (model_name label).
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl PluginArgs {
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The plugin configuration for these endpoints, validated as the plugin will.
+    pub fn config(&self, endpoints: &[String], policy: Policy) -> Result<PluginConfig> {
+        let mut config = PluginConfig {
+            endpoints: endpoints
+                .iter()
+                .map(|e| envoy::parse_endpoint(e))
+                .collect::<Result<_>>()?,
+            policy,
+            weights: self.weights,
+            block_size: self.block_size,
+            index_capacity_blocks: self.index_capacity,
+            destination_header: self.header.clone(),
+            max_body_bytes: self.max_body_bytes,
+            metric_prefix: self.metric_prefix.clone(),
+            model: self.model.clone(),
+            seed: self.seed,
+            ..PluginConfig::default()
+        };
+        config.scrape.interval_ms = self.scrape_interval_ms;
+        config.scrape.timeout_ms = self.scrape_timeout_ms;
+        config.scrape.stale_after_ms = self.stale_after_ms;
+        config.scrape.failures_to_down = self.failures_to_down;
+        config.validate().context("invalid plugin options")?;
+        Ok(config)
+    }
+}
+
+/// `round-robin` and `least-request` mean Envoy's balancers; every other name is a plugin
+/// policy.
+pub fn balancer_for(policy: &str) -> Result<(Balancer, Policy)> {
+    Ok(match policy {
+        "round-robin" | "envoy-round-robin" => (Balancer::EnvoyRoundRobin, Policy::RoundRobin),
+        "least-request" | "envoy-least-request" => (Balancer::EnvoyLeastRequest, Policy::LeastQueue),
+        name => (Balancer::Plugin, name.parse::<Policy>().map_err(|_| {
+            anyhow::anyhow!("unknown policy {name:?} (expected prefix, prefix-only, least-queue, random, round-robin or least-request)")
+        })?),
+    })
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (balancer, policy) = balancer_for(&args.policy)?;
+    let plugin = args.plugin.config(&args.endpoints, policy)?;
+    let wasm_path = if balancer == Balancer::Plugin {
+        envoy::find_plugin(args.plugin_wasm.as_deref())?
+    } else {
+        PathBuf::new()
+    };
+    let setup = EnvoySetup {
+        listen: args.listen,
+        admin: args.admin,
+        balancer,
+        plugin,
+        wasm_path,
+    };
+    if args.print_config {
+        print!("{}", envoy::bootstrap_yaml(&setup)?);
+        return Ok(());
+    }
+    let envoy_bin = envoy::find_envoy(args.envoy.as_deref())?;
+    let dir = std::env::temp_dir().join(format!("prefixroute-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let config_path = dir.join("envoy.yaml");
+    std::fs::write(&config_path, envoy::bootstrap_yaml(&setup)?)?;
+    eprintln!(
+        "prefixroute serve: {} ({}) on http://{} with {} endpoints; admin http://{}; config {}",
+        args.policy,
+        envoy_bin.display(),
+        args.listen,
+        setup.plugin.endpoints.len(),
+        args.admin,
+        config_path.display()
+    );
+    // Envoy runs in the foreground in place of this process, so signals reach it directly.
+    use std::os::unix::process::CommandExt;
+    let err = std::process::Command::new(&envoy_bin)
+        .args(envoy::envoy_args(&config_path, args.concurrency))
+        .exec();
+    Err(err).with_context(|| format!("cannot run {}", envoy_bin.display()))
+}

