@@ -13,6 +13,7 @@ pub mod disagg;
 pub mod hashing;
 pub mod index;
 pub mod metrics;
+pub mod pool;
 pub mod replica;
 pub mod request;
 pub mod router;

@@ -1,9 +1,12 @@
 //! One module per subcommand; each only adapts I/O to `prefixroute-core`.
 
+mod compare;
 mod disagg;
 mod fake_server;
 mod hash;
+mod pool;
 mod replay;
+mod serve;
 mod simulate;
 mod trace;
 
@@ -31,6 +34,12 @@ enum Command {
     FakeServer(fake_server::Args),
     /// Replay a trace against a live endpoint at its timestamps and report cache hits.
     Replay(replay::Args),
+    /// Compare routing policies through real Envoy in front of fresh fake replicas.
+    Compare(compare::Args),
+    /// Run Envoy in front of model servers with the prefixroute plugin (or Envoy's balancers).
+    Serve(serve::Args),
+    /// Validate InferencePools by the CRD's rules and resolve their endpoints.
+    Pool(pool::Args),
 }
 
 pub fn run(cli: Cli) -> Result<()> {
@@ -41,6 +50,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Hash(args) => hash::run(args),
         Command::FakeServer(args) => fake_server::run(args),
         Command::Replay(args) => replay::run(args),
+        Command::Pool(args) => pool::run(args),
+        Command::Serve(args) => serve::run(args),
+        Command::Compare(args) => compare::run(args),
     }
 }
 

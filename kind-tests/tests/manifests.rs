@@ -1,0 +1,749 @@
+//! The kind/ manifests, checked without a cluster: they parse, validate against the CRDs the
+//! data planes install (`../shared/crds`), agree with each other (pool, Service, routes,
+//! simulator, filter), and embed plugin configurations `PluginConfig` accepts.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use prefixroute_core::config::PluginConfig;
+use prefixroute_core::pool::{self, regex::Regex, schema};
+use prefixroute_kind_tests::*;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+const NS: &str = "prefixroute";
+
+fn plugin_base() -> PluginConfig {
+    let path = repo_root().join("kind/plugin-config.json");
+    let bytes = std::fs::read(&path).unwrap();
+    serde_json::from_slice(&bytes).expect("kind/plugin-config.json is a PluginConfig")
+}
+
+fn the_pool() -> Value {
+    find("base", "InferencePool", "vllm-sim")
+}
+
+/// Checks of the Envoy Gateway kinds whose CRDs are not in shared/crds.
+fn check_eg_policy(kind: &str, o: &Value) -> Vec<String> {
+    let mut errs = Vec::new();
+    let spec = &o["spec"];
+    let refs: Vec<&Value> = match kind {
+        "EnvoyPatchPolicy" => vec![&spec["targetRef"]],
+        _ => spec["targetRefs"]
+            .as_array()
+            .map(|r| r.iter().collect())
+            .unwrap_or_default(),
+    };
+    if refs.is_empty() {
+        errs.push(format!("{kind}: no targetRef(s)"));
+    }
+    for r in refs {
+        if r["group"] != "gateway.networking.k8s.io" || r["name"].as_str().is_none() {
+            errs.push(format!("{kind}: bad target {r}"));
+        }
+    }
+    match kind {
+        "BackendTrafficPolicy" => {
+            let lb = &spec["loadBalancer"];
+            if !["RoundRobin", "Random", "LeastRequest", "ConsistentHash"]
+                .contains(&lb["type"].as_str().unwrap_or_default())
+            {
+                errs.push(format!("loadBalancer.type {}", lb["type"]));
+            }
+            let sources = lb["endpointOverride"]["extractFrom"].as_array();
+            let header_sources =
+                sources.is_some_and(|s| !s.is_empty() && s.iter().all(|s| s["header"].is_string()));
+            if !header_sources {
+                errs.push("loadBalancer.endpointOverride.extractFrom needs header sources".into());
+            }
+        }
+        "EnvoyPatchPolicy" => {
+            if spec["type"] != "JSONPatch" {
+                errs.push("type must be JSONPatch".into());
+            }
+            for p in spec["jsonPatches"].as_array().into_iter().flatten() {
+                let t = p["type"].as_str().unwrap_or_default();
+                if !t.starts_with("type.googleapis.com/envoy.config.")
+                    || p["name"].as_str().is_none()
+                {
+                    errs.push(format!("bad patch target {p}"));
+                }
+                if !["add", "remove", "replace", "copy", "move", "test"]
+                    .contains(&p["operation"]["op"].as_str().unwrap_or_default())
+                {
+                    errs.push(format!("bad op in {p}"));
+                }
+                if let Some(jp) = p["operation"]["jsonPath"].as_str() {
+                    if !jp.starts_with("..") && !jp.starts_with('$') {
+                        errs.push(format!("jsonPath {jp:?} should start with .. or $"));
+                    }
+                }
+            }
+        }
+        _ => errs.push(format!("no checks for {kind}")),
+    }
+    errs
+}
+
+#[test]
+fn every_manifest_parses_and_validates() {
+    let crds = Crds::load(&crds_dir());
+    let mut failures = Vec::new();
+    let mut skipped_rules = 0;
+    let objects = kind_objects();
+    assert!(
+        objects.len() >= 15,
+        "only {} objects under kind/",
+        objects.len()
+    );
+    for path in kind_yaml_files().iter().filter(|p| is_helm_values(p)) {
+        read_yaml(path);
+    }
+    for (path, o) in &objects {
+        let file = path
+            .strip_prefix(repo_root())
+            .unwrap_or(path)
+            .display()
+            .to_string();
+        let api_version = o["apiVersion"].as_str().unwrap_or_default();
+        let kind = o["kind"].as_str().unwrap_or_default();
+        let name = o["metadata"]["name"].as_str().unwrap_or_default();
+        let what = format!("{file}: {kind} {name:?}");
+        if let Some(checked) = check_custom_resource(&crds, o) {
+            skipped_rules += checked.skipped_rules;
+            failures.extend(checked.errors.iter().map(|e| format!("{what}: {e}")));
+            let namespaced = crds.get(api_version, kind).is_some_and(|c| c.namespaced);
+            if namespaced && o["metadata"]["namespace"] != NS {
+                failures.push(format!("{what}: not in namespace {NS}"));
+            }
+            continue;
+        }
+        let errors: Vec<String> = match (api_version, kind) {
+            ("v1", "Namespace") => schema::validate_object_meta(o, false)
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            ("v1", "Service" | "ConfigMap") | ("apps/v1", "Deployment") => {
+                let mut e: Vec<String> = schema::validate_object_meta(o, true)
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect();
+                if o["metadata"]["namespace"] != NS {
+                    e.push(format!("not in namespace {NS}"));
+                }
+                e
+            }
+            ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy" | "EnvoyPatchPolicy") => {
+                check_eg_policy(kind, o)
+            }
+            ("kind.x-k8s.io/v1alpha4", "Cluster") => Vec::new(),
+            _ => vec![format!(
+                "no CRD in {} and no rule here for apiVersion {api_version:?} kind {kind:?}",
+                crds_dir().display()
+            )],
+        };
+        failures.extend(errors.iter().map(|e| format!("{what}: {e}")));
+    }
+    eprintln!(
+        "{} objects checked; {skipped_rules} CEL rules of Gateway API/Istio/Envoy Gateway CRDs not evaluated",
+        objects.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_validator_catches_a_broken_gateway_manifest() {
+    // The generic validator is not vacuous on the big CRDs: a bad port and an unknown field
+    // in an HTTPRoute are reported the API server's way.
+    let crds = Crds::load(&crds_dir());
+    let mut route = find("envoy-gateway", "HTTPRoute", "llm");
+    route["spec"]["rules"][0]["backendRefs"][0]["port"] = json!(70000);
+    route["spec"]["rules"][0]["colour"] = json!("blue");
+    let checked = check_custom_resource(&crds, &route).expect("HTTPRoute CRD is known");
+    let text = checked.errors.join("\n");
+    assert!(
+        text.contains("spec.rules[0].backendRefs[0].port: Invalid value: 70000: spec.rules[0].backendRefs[0].port in body should be less than or equal to 65535"),
+        "{text}"
+    );
+    assert!(
+        text.contains("unknown field \"spec.rules[0].colour\""),
+        "{text}"
+    );
+}
+
+#[test]
+fn pool_crd_matches_the_vendored_schema() {
+    fn strip(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => Value::Object(
+                m.iter()
+                    .filter(|(k, _)| k.as_str() != "description")
+                    .map(|(k, v)| {
+                        let v = if k == "properties" {
+                            Value::Object(
+                                v.as_object()
+                                    .map(|p| p.iter().map(|(k, v)| (k.clone(), strip(v))).collect())
+                                    .unwrap_or_default(),
+                            )
+                        } else {
+                            strip(v)
+                        };
+                        (k.clone(), v)
+                    })
+                    .collect(),
+            ),
+            Value::Array(a) => Value::Array(a.iter().map(strip).collect()),
+            other => other.clone(),
+        }
+    }
+    let crds = Crds::load(&crds_dir());
+    let crd = crds
+        .get(pool::API_VERSION, pool::KIND)
+        .expect("the InferencePool CRD serves v1");
+    assert_eq!(
+        &strip(&crd.schema),
+        pool::schema(),
+        "core/src/pool/inferencepool.v1.schema.json differs from {}: regenerate it from the CRD",
+        crd.file
+    );
+}
+
+#[test]
+fn every_cel_rule_of_the_pool_crd_is_one_the_validator_produces() {
+    let crds = Crds::load(&crds_dir());
+    let crd = crds.get(pool::API_VERSION, pool::KIND).unwrap();
+    let rules = schema::cel_rules(&crd.schema);
+    assert!(!rules.is_empty());
+    let known: Vec<(&str, &str)> = pool::CEL_RULES.to_vec();
+    for (path, rule, message) in &rules {
+        assert!(
+            known.contains(&(rule.as_str(), message.as_str())),
+            "{path}: the CRD has a CEL rule the validator does not implement: {rule:?} ({message:?})"
+        );
+    }
+    assert_eq!(
+        rules.len(),
+        known.len(),
+        "the validator implements rules the CRD no longer has"
+    );
+    // And each message really comes out of the validator for a pool that breaks the rule.
+    let mut bad = the_pool();
+    bad["spec"]["targetPorts"] = json!([{"number": 8000}, {"number": 8000}]);
+    bad["spec"]["endpointPickerRef"] = json!({"name": "epp"});
+    let text = pool::validate(&bad, "default").unwrap_err().to_string();
+    for (_, message) in known {
+        assert!(text.contains(message), "{message:?} not produced:\n{text}");
+    }
+}
+
+#[test]
+fn every_pattern_in_the_crds_compiles() {
+    let crds = Crds::load(&crds_dir());
+    let mut count = 0;
+    for ((api_version, kind), crd) in &crds.versions {
+        for p in schema::patterns(&crd.schema) {
+            Regex::new(&p).unwrap_or_else(|e| panic!("{api_version} {kind}: {e}"));
+            count += 1;
+        }
+    }
+    assert!(count > 20, "only {count} patterns found");
+}
+
+/// The plugin configurations embedded in the variants, as (where, JSON text).
+fn embedded_configs() -> Vec<(&'static str, String)> {
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let wasm_patch = filter["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .expect("an HTTP_FILTER patch")
+        .clone();
+    let configuration = &wasm_patch["patch"]["value"]["typed_config"]["config"]["configuration"];
+    assert_eq!(
+        configuration["@type"],
+        "type.googleapis.com/google.protobuf.StringValue"
+    );
+    let istio = configuration["value"].as_str().unwrap().to_string();
+    let policy = find("envoy-gateway", "EnvoyExtensionPolicy", "prefixroute");
+    let eg = serde_json::to_string(&policy["spec"]["wasm"][0]["config"]).unwrap();
+    vec![
+        ("istio/envoyfilter.yaml", istio),
+        ("envoy-gateway/extension-policy.yaml", eg),
+    ]
+}
+
+#[test]
+fn embedded_plugin_configs_are_accepted_by_plugin_config_validation() {
+    let base = plugin_base();
+    for (file, json) in embedded_configs() {
+        let config = PluginConfig::from_json(json.as_bytes()).unwrap_or_else(|e| {
+            panic!("{file}: the embedded plugin configuration is rejected: {e}")
+        });
+        assert_eq!(
+            PluginConfig {
+                endpoints: Vec::new(),
+                ..config.clone()
+            },
+            base,
+            "{file}: differs from kind/plugin-config.json beyond the endpoints"
+        );
+        assert!(
+            config
+                .endpoints
+                .iter()
+                .all(|e| e.address.starts_with("192.0.2.")),
+            "{file}: the committed endpoints must be documentation placeholders"
+        );
+    }
+}
+
+#[test]
+fn up_sh_rendering_keeps_the_manifests_valid() {
+    // The pool's Pods as `kubectl get inferencepools,pods -o json` would list them.
+    let deployment = find("base", "Deployment", "vllm-sim");
+    let mut items = vec![the_pool()];
+    for i in 0..deployment["spec"]["replicas"].as_u64().unwrap() {
+        items.push(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("vllm-sim-abc-{i}"), "namespace": NS,
+                         "labels": deployment["spec"]["template"]["metadata"]["labels"]},
+            "status": {"podIP": format!("10.244.0.{}", 10 + i),
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        }));
+    }
+    let mut objects = Vec::new();
+    pool::flatten_lists(
+        json!({"apiVersion": "v1", "kind": "List", "items": items}),
+        &mut objects,
+    );
+    let p = pool::validate(&objects[0], "default").unwrap();
+    let pods: Vec<pool::Pod> = objects
+        .iter()
+        .filter_map(|o| pool::Pod::from_value(o, "x"))
+        .collect();
+    let resolution = pool::resolve(&p, &pods);
+    assert_eq!(resolution.endpoints.len(), 3);
+    let config = resolution.plugin_config(plugin_base()).unwrap();
+    let line = serde_json::to_string(&config).unwrap();
+    assert!(line.starts_with(CONFIG_MARKER));
+    let sha = "ab".repeat(32);
+
+    let crds = Crds::load(&crds_dir());
+    for file in [
+        "istio/envoyfilter.yaml",
+        "envoy-gateway/extension-policy.yaml",
+    ] {
+        let text = std::fs::read_to_string(repo_root().join("kind").join(file)).unwrap();
+        assert_eq!(
+            text.lines().filter(|l| l.contains(CONFIG_MARKER)).count(),
+            1,
+            "{file}: exactly one line must hold the plugin configuration"
+        );
+        assert_eq!(
+            text.matches(&"0".repeat(64)).count(),
+            1,
+            "{file}: one sha256 placeholder"
+        );
+        let rendered = render(&text, &line, &sha);
+        assert!(!rendered.contains("192.0.2.1"));
+        for o in parse_yaml(&rendered).unwrap() {
+            let checked = check_custom_resource(&crds, &o).unwrap();
+            assert!(
+                checked.errors.is_empty(),
+                "{file} rendered: {:?}",
+                checked.errors
+            );
+            let found = serde_json::to_string(&o).unwrap();
+            assert!(found.contains(&sha), "{file}: sha256 not rendered");
+        }
+    }
+    let original: Vec<String> = embedded_configs().into_iter().map(|(_, j)| j).collect();
+    assert!(original.iter().all(|j| j != &line));
+}
+
+fn shadow_service(pool_name: &str) -> String {
+    // Istio's InferencePoolServiceName: <pool>-ip-<first 8 hex digits of sha256(pool)>.
+    let hash = hex(&Sha256::digest(pool_name.as_bytes()));
+    format!("{pool_name}-ip-{}", &hash[..8])
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn istio_cluster_patch_targets_the_pool_shadow_service() {
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let pool = the_pool();
+    let name = pool["metadata"]["name"].as_str().unwrap();
+    let patch = filter["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "CLUSTER" && p["patch"]["operation"] == "MERGE")
+        .expect("a CLUSTER MERGE patch")
+        .clone();
+    assert_eq!(
+        patch["match"]["cluster"]["service"],
+        format!("{}.{NS}.svc.cluster.local", shadow_service(name))
+    );
+    // Istio gives the pool's first target port the shadow service port 54321.
+    assert_eq!(patch["match"]["cluster"]["portNumber"], 54321);
+    let policy =
+        &patch["patch"]["value"]["load_balancing_policy"]["policies"][0]["typed_extension_config"];
+    assert_eq!(
+        policy["name"],
+        "envoy.load_balancing_policies.override_host"
+    );
+    assert_eq!(
+        policy["typed_config"]["override_host_sources"][0]["header"].as_str(),
+        Some(plugin_base().destination_header.as_str())
+    );
+    assert!(policy["typed_config"]["fallback_policy"]["policies"][0].is_object());
+}
+
+#[test]
+fn the_filter_may_pause_for_the_body_in_both_variants() {
+    // Istio: the full PluginConfig is in the EnvoyFilter.
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let wasm = filter["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .unwrap()
+        .clone();
+    assert_eq!(wasm["patch"]["operation"], "INSERT_BEFORE");
+    assert_eq!(
+        wasm["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"],
+        "envoy.filters.http.router"
+    );
+    let typed = &wasm["patch"]["value"]["typed_config"];
+    assert_eq!(
+        typed["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+    );
+    assert_eq!(typed["config"]["allow_on_headers_stop_iteration"], true);
+    assert_eq!(typed["config"]["failure_policy"], "FAIL_RELOAD");
+    assert_eq!(
+        typed["config"]["vm_config"]["runtime"],
+        "envoy.wasm.runtime.v8"
+    );
+    assert_eq!(filter["spec"]["targetRefs"][0]["name"], "prefixroute");
+
+    // Envoy Gateway: the patch policy must select the filter the EnvoyExtensionPolicy makes
+    // (envoy.filters.http.wasm/envoyextensionpolicy/<ns>/<name>/wasm/<index>).
+    let policy = find("envoy-gateway", "EnvoyExtensionPolicy", "prefixroute");
+    let generated = format!(
+        "envoy.filters.http.wasm/envoyextensionpolicy/{}/{}/wasm/0",
+        policy["metadata"]["namespace"].as_str().unwrap(),
+        policy["metadata"]["name"].as_str().unwrap()
+    );
+    let patches = find("envoy-gateway", "EnvoyPatchPolicy", "prefixroute");
+    let gateway = find("envoy-gateway", "Gateway", "prefixroute");
+    let listener = format!(
+        "{NS}/{}/{}",
+        gateway["metadata"]["name"].as_str().unwrap(),
+        gateway["spec"]["listeners"][0]["name"].as_str().unwrap()
+    );
+    let mut set = BTreeMap::new();
+    for p in patches["spec"]["jsonPatches"].as_array().unwrap() {
+        let Some(json_path) = p["operation"]["jsonPath"].as_str() else {
+            continue;
+        };
+        assert_eq!(p["name"], listener.as_str());
+        let inner = json_path
+            .split_once("match(@.name, '")
+            .and_then(|(_, rest)| rest.split_once("')"))
+            .map(|(re, _)| re)
+            .expect("a match() filter on the filter name");
+        let re = Regex::new(&format!("^{inner}$")).unwrap();
+        assert!(
+            re.is_match(&generated),
+            "{inner} does not select {generated}"
+        );
+        assert!(
+            !re.is_match("envoy.filters.http.wasm/envoyextensionpolicy/other/prefixroute/wasm/0")
+        );
+        assert!(json_path.ends_with(".typed_config.config"));
+        set.insert(
+            p["operation"]["path"].as_str().unwrap().to_string(),
+            p["operation"]["value"].clone(),
+        );
+    }
+    assert_eq!(
+        set.get("allow_on_headers_stop_iteration"),
+        Some(&json!(true))
+    );
+    assert_eq!(set.get("failure_policy"), Some(&json!("FAIL_RELOAD")));
+    assert_eq!(patches["spec"]["targetRef"]["name"], "prefixroute");
+}
+
+#[test]
+fn routes_and_services_cover_exactly_the_pool() {
+    let pool = the_pool();
+    let spec = &pool["spec"];
+    let port = spec["targetPorts"][0]["number"].clone();
+
+    let istio_route = find("istio", "HTTPRoute", "llm");
+    let backend = &istio_route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(backend["group"], pool::GROUP);
+    assert_eq!(backend["kind"], pool::KIND);
+    assert_eq!(backend["name"], pool["metadata"]["name"]);
+    assert_eq!(
+        find("istio", "Gateway", "prefixroute")["spec"]["gatewayClassName"],
+        "istio"
+    );
+
+    let eg_route = find("envoy-gateway", "HTTPRoute", "llm");
+    let backend = &eg_route["spec"]["rules"][0]["backendRefs"][0];
+    let service = find("base", "Service", backend["name"].as_str().unwrap());
+    assert_eq!(service["spec"]["selector"], spec["selector"]["matchLabels"]);
+    let svc_port = service["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == backend["port"])
+        .expect("the route's port is a Service port")
+        .clone();
+    let deployment = find("base", "Deployment", "vllm-sim");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let target = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| {
+            p["name"] == svc_port["targetPort"] || p["containerPort"] == svc_port["targetPort"]
+        })
+        .expect("the Service's targetPort is a container port")
+        .clone();
+    assert_eq!(
+        target["containerPort"], port,
+        "the Service must reach the pool's target port"
+    );
+    let class = find("envoy-gateway", "GatewayClass", "prefixroute-eg");
+    assert_eq!(
+        class["spec"]["controllerName"],
+        "gateway.envoyproxy.io/gatewayclass-controller"
+    );
+    assert_eq!(
+        find("envoy-gateway", "Gateway", "prefixroute")["spec"]["gatewayClassName"],
+        "prefixroute-eg"
+    );
+
+    for (kind, name) in [
+        ("BackendTrafficPolicy", "prefixroute-endpoint-override"),
+        ("EnvoyExtensionPolicy", "prefixroute"),
+    ] {
+        let policy = find("envoy-gateway", kind, name);
+        let target = &policy["spec"]["targetRefs"][0];
+        assert_eq!(
+            (target["kind"].as_str(), target["name"].as_str()),
+            (Some("HTTPRoute"), Some("llm")),
+            "{kind}"
+        );
+    }
+    let btp = find(
+        "envoy-gateway",
+        "BackendTrafficPolicy",
+        "prefixroute-endpoint-override",
+    );
+    assert_eq!(
+        btp["spec"]["loadBalancer"]["endpointOverride"]["extractFrom"][0]["header"].as_str(),
+        Some(plugin_base().destination_header.as_str())
+    );
+
+    // The picker Service the pool names exists (Istio resolves it) and selects nothing.
+    let epp = spec["endpointPickerRef"].clone();
+    assert_eq!(epp["failureMode"], "FailOpen");
+    let epp_service = find("base", "Service", epp["name"].as_str().unwrap());
+    assert!(epp_service["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["port"] == epp["port"]["number"]));
+    for (path, o) in kind_objects() {
+        let labels = &o["spec"]["template"]["metadata"]["labels"];
+        if let Some(selector) = epp_service["spec"]["selector"].as_object() {
+            let selected = selector.iter().all(|(k, v)| &labels[k] == v);
+            assert!(
+                !selected,
+                "{} has Pods the no-op picker Service selects",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn simulator_deployment_matches_the_pool_and_the_plugin() {
+    let base = plugin_base();
+    let pool = pool::validate(&the_pool(), "default").unwrap();
+    let d = find("base", "Deployment", "vllm-sim");
+    assert_eq!(d["spec"]["replicas"], 3);
+    let labels = &d["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in &pool.match_labels {
+        assert_eq!(
+            labels[k].as_str(),
+            Some(v.as_str()),
+            "Pods must carry the pool's labels"
+        );
+    }
+    let c = &d["spec"]["template"]["spec"]["containers"][0];
+    let image = c["image"].as_str().unwrap();
+    let (repo, tag) = image.rsplit_once(':').expect("a pinned tag");
+    assert_eq!(repo, "ghcr.io/llm-d/llm-d-inference-sim");
+    assert!(
+        tag.starts_with('v') && tag != "latest",
+        "pin a released tag, not {tag}"
+    );
+    assert!(c["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["containerPort"] == u64::from(pool.target_ports[0])));
+
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let value = |flag: &str| -> Option<&str> {
+        args.iter()
+            .position(|a| *a == flag)
+            .and_then(|i| args.get(i + 1).copied())
+    };
+    assert_eq!(
+        value("--model"),
+        base.model.as_deref(),
+        "the plugin counts this model's metrics"
+    );
+    assert_eq!(
+        value("--port"),
+        Some(pool.target_ports[0].to_string().as_str())
+    );
+    assert!(args.contains(&"--enable-kvcache"));
+    assert!(value("--kv-cache-size").is_some_and(|v| v.parse::<u32>().is_ok()));
+    assert_eq!(
+        value("--block-size"),
+        Some(base.block_size.to_string().as_str()),
+        "router and server must agree on the block size"
+    );
+    for flag in [
+        "--prefill-time-per-token",
+        "--prefill-overhead",
+        "--inter-token-latency",
+    ] {
+        let v = value(flag).unwrap_or_else(|| panic!("{flag} missing"));
+        assert!(
+            v.ends_with("ms") || v.ends_with("us") || v.ends_with('s'),
+            "{flag} {v}: a duration"
+        );
+    }
+    let env: BTreeMap<&str, &str> = c["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap(),
+                e["valueFrom"]["fieldRef"]["fieldPath"]
+                    .as_str()
+                    .unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(env.get("POD_IP"), Some(&"status.podIP"));
+    assert_eq!(env.get("POD_NAME"), Some(&"metadata.name"));
+}
+
+#[test]
+fn plugin_module_and_scrape_cluster_are_the_same_in_both_variants() {
+    let base = plugin_base();
+    let server = find("base", "Service", "prefixroute-wasm");
+    let port = server["spec"]["ports"][0]["port"].as_u64().unwrap();
+    let fqdn = format!("prefixroute-wasm.{NS}.svc.cluster.local");
+    let url = format!("http://{fqdn}:{port}/prefixroute.wasm");
+
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let patches = filter["spec"]["configPatches"].as_array().unwrap();
+    let wasm = patches
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .unwrap();
+    let remote = &wasm["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"];
+    assert_eq!(remote["http_uri"]["uri"], url.as_str());
+    assert_eq!(
+        remote["http_uri"]["cluster"],
+        format!("outbound|{port}||{fqdn}")
+    );
+    let policy = find("envoy-gateway", "EnvoyExtensionPolicy", "prefixroute");
+    assert_eq!(
+        policy["spec"]["wasm"][0]["code"]["http"]["url"],
+        url.as_str()
+    );
+
+    let istio_cluster = patches
+        .iter()
+        .find(|p| p["applyTo"] == "CLUSTER" && p["patch"]["operation"] == "ADD")
+        .map(|p| p["patch"]["value"].clone())
+        .expect("the scrape cluster");
+    let eg_cluster = find("envoy-gateway", "EnvoyPatchPolicy", "prefixroute")["spec"]
+        ["jsonPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["type"] == "type.googleapis.com/envoy.config.cluster.v3.Cluster")
+        .map(|p| p["operation"]["value"].clone())
+        .expect("the scrape cluster");
+    for cluster in [istio_cluster, eg_cluster] {
+        assert_eq!(cluster["name"], base.scrape.cluster.as_str());
+        assert_eq!(cluster["type"], "ORIGINAL_DST");
+        assert_eq!(cluster["lb_policy"], "CLUSTER_PROVIDED");
+        assert_eq!(cluster["original_dst_lb_config"]["use_http_header"], true);
+    }
+}
+
+#[test]
+fn scripts_pass_bash_n_and_shellcheck() {
+    let kind = repo_root().join("kind");
+    for script in ["up.sh", "down.sh"] {
+        let path = kind.join(script);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with("#!/usr/bin/env bash\n"), "{script}");
+        assert!(
+            text.contains("NEEDS:"),
+            "{script} must say it needs Docker and network at the top"
+        );
+        let out = Command::new("bash")
+            .arg("-n")
+            .arg(&path)
+            .output()
+            .expect("bash");
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        match Command::new("shellcheck").arg(&path).output() {
+            Ok(out) => assert!(
+                out.status.success(),
+                "shellcheck {script}:\n{}",
+                String::from_utf8_lossy(&out.stdout)
+            ),
+            Err(_) => eprintln!("shellcheck not installed: {script} only checked with bash -n"),
+        }
+    }
+    let up = std::fs::read_to_string(kind.join("up.sh")).unwrap();
+    for tool in ["docker", "kind", "kubectl", "helm"] {
+        assert!(
+            up.contains(&format!("need {tool} ")),
+            "up.sh must check for {tool} first"
+        );
+    }
+    // up.sh's awk render and render() here agree on the marker and the placeholder.
+    assert!(up.contains(r#"index($0, "{\"endpoints\":")"#));
+    assert!(up.contains(&"0".repeat(64)));
+}
