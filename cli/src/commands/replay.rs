@@ -44,6 +44,7 @@ JSON output (--json) is one object; its field names are stable:
                            x-prefixroute-endpoint header, else x-served-by, else \"unknown\"
   groups_on_one_endpoint   {single, groups}: trace groups whose requests all went to one
                            endpoint, out of the groups with a known endpoint
+  group_endpoints          {group: {endpoint: successful requests}}
   usage                    {prompt_tokens, cached_tokens, cached_ratio,
                            responses_without_usage}: sums of the responses' usage
                            (cached = usage.prompt_tokens_details.cached_tokens)

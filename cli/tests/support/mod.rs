@@ -117,6 +117,21 @@ impl Reply {
 
 /// One request on a fresh connection (`Connection: close`, so the response ends at EOF).
 pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> Reply {
+    http_with(port, method, path, &[], body)
+}
+
+/// [`http`] with extra request headers.
+pub fn http_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Reply {
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(30)))
@@ -124,7 +139,7 @@ pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> Reply {
     let body = body.unwrap_or("");
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n{extra}\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )

@@ -76,6 +76,7 @@ pub struct Summary {
     pub latency_ms: Latency,
     pub endpoints: BTreeMap<String, usize>,
     pub groups_on_one_endpoint: GroupsOnOne,
+    pub group_endpoints: GroupEndpoints,
     pub usage: UsageTotals,
     pub server_counters: Option<ServerCounters>,
 }
@@ -118,9 +119,14 @@ fn usage_totals(outcomes: &[Outcome]) -> UsageTotals {
     totals
 }
 
-/// Requests per endpoint, and how many groups stayed on one endpoint (prefix locality).
-fn routing(outcomes: &[Outcome]) -> (BTreeMap<String, usize>, GroupsOnOne) {
+/// Successful requests per endpoint for each group.
+type GroupEndpoints = BTreeMap<String, BTreeMap<String, usize>>;
+
+/// Requests per endpoint, how many groups stayed on one endpoint (prefix locality), and where
+/// each group went.
+fn routing(outcomes: &[Outcome]) -> (BTreeMap<String, usize>, GroupsOnOne, GroupEndpoints) {
     let mut endpoints: BTreeMap<String, usize> = BTreeMap::new();
+    let mut by_group: GroupEndpoints = BTreeMap::new();
     let mut routes = Vec::new();
     for outcome in outcomes {
         let Ok(answer) = &outcome.result else {
@@ -130,6 +136,11 @@ fn routing(outcomes: &[Outcome]) -> (BTreeMap<String, usize>, GroupsOnOne) {
         *endpoints.entry(name.to_string()).or_default() += 1;
         if answer.endpoint.is_some() {
             routes.push((outcome.group.as_str(), name.to_string()));
+            *by_group
+                .entry(outcome.group.clone())
+                .or_default()
+                .entry(name.to_string())
+                .or_default() += 1;
         }
     }
     // Endpoint indices by sorted name: stable, and all core's helper needs.
@@ -140,7 +151,7 @@ fn routing(outcomes: &[Outcome]) -> (BTreeMap<String, usize>, GroupsOnOne) {
         .collect();
     let (single, groups) =
         groups_on_one_endpoint(routes.iter().map(|(g, e)| (*g, index[e.as_str()])));
-    (endpoints, GroupsOnOne { single, groups })
+    (endpoints, GroupsOnOne { single, groups }, by_group)
 }
 
 impl Summary {
@@ -160,7 +171,7 @@ impl Summary {
                 .or_insert_with(|| failure.to_string());
         }
         let errors = errors_by_kind.values().sum();
-        let (endpoints, groups_on_one_endpoint) = routing(outcomes);
+        let (endpoints, groups_on_one_endpoint, group_endpoints) = routing(outcomes);
         Summary {
             trace,
             url,
@@ -174,6 +185,7 @@ impl Summary {
             latency_ms: latency(outcomes),
             endpoints,
             groups_on_one_endpoint,
+            group_endpoints,
             usage: usage_totals(outcomes),
             server_counters,
         }

@@ -1,0 +1,304 @@
+//! The plugin in real Envoy (2 workers) in front of fake vLLM replicas, end to end.
+//!
+//! These need the Envoy binary and the release plugin build, so they are `#[ignore]`d for a
+//! plain `cargo test`; `./test.sh` installs Envoy, builds the plugin and runs them with
+//! `--ignored`.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::{http, temp, FakeServer, BIN};
+
+fn prefixroute_json(args: &[&str]) -> Value {
+    let out = Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run prefixroute");
+    assert!(
+        out.status.success(),
+        "prefixroute {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+fn row<'a>(rows: &'a Value, policy: &str) -> &'a Value {
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["policy"] == policy)
+        .unwrap_or_else(|| panic!("no row for {policy}"))
+}
+
+fn hit_rate(row: &Value) -> f64 {
+    row["summary"]["server_counters"]["hit_rate"]
+        .as_f64()
+        .unwrap()
+}
+
+const FAST_SCRAPES: [&str; 6] = [
+    "--scrape-interval-ms",
+    "200",
+    "--scrape-timeout-ms",
+    "150",
+    "--stale-after-ms",
+    "1000",
+];
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn prefix_beats_round_robin_by_20_points_and_pins_every_tenant() {
+    let mut args = vec!["compare", "--json", "--policies", "round-robin,prefix"];
+    args.extend_from_slice(&FAST_SCRAPES);
+    let rows = prefixroute_json(&args);
+    let (rr, prefix) = (row(&rows, "round-robin"), row(&rows, "prefix"));
+    for r in [rr, prefix] {
+        assert_eq!(r["summary"]["errors"], 0, "{r}");
+        assert_eq!(r["summary"]["server_counters"]["settled"], true, "{r}");
+    }
+    let (rr_hit, prefix_hit) = (hit_rate(rr), hit_rate(prefix));
+    assert!(
+        prefix_hit >= rr_hit + 0.20,
+        "prefix {prefix_hit:.3} vs round-robin {rr_hit:.3}"
+    );
+    let groups = &prefix["summary"]["groups_on_one_endpoint"];
+    assert_eq!(
+        groups["single"], groups["groups"],
+        "every tenant on one endpoint: {groups}"
+    );
+    assert_eq!(groups["groups"], 8);
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn hot_tenant_reaches_a_second_endpoint() {
+    let trace = temp("hot.jsonl");
+    let out = Command::new(BIN)
+        .args([
+            "trace",
+            "-o",
+            trace.to_str().unwrap(),
+            "--hot",
+            "0.7",
+            "--rate",
+            "40",
+            "--requests",
+            "200",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let mut args = vec![
+        "compare",
+        trace.to_str().unwrap(),
+        "--json",
+        "--policies",
+        "prefix",
+        "--lanes",
+        "2",
+        "--decode-ms-per-token",
+        "5",
+    ];
+    args.extend_from_slice(&FAST_SCRAPES);
+    let rows = prefixroute_json(&args);
+    let prefix = row(&rows, "prefix");
+    assert_eq!(prefix["summary"]["errors"], 0);
+    let hot: BTreeMap<String, u64> =
+        serde_json::from_value(prefix["summary"]["group_endpoints"]["tenant-0"].clone()).unwrap();
+    assert!(hot.len() >= 2, "hot tenant stayed on {hot:?}");
+    // Spilling keeps locality: once a second replica holds the hot prefix, it hits there too.
+    assert!(hit_rate(prefix) > 0.6, "{}", hit_rate(prefix));
+}
+
+/// `prefixroute serve` (which becomes Envoy) on free ports; killed when dropped.
+struct Served {
+    child: Child,
+    port: u16,
+    admin: u16,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn serve(replicas: &[&FakeServer], extra: &[&str]) -> Served {
+    let (port, admin) = (free_port(), free_port());
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--admin",
+        &format!("127.0.0.1:{admin}"),
+    ]);
+    for (i, r) in replicas.iter().enumerate() {
+        cmd.args([
+            "--endpoint",
+            &format!("replica-{i}=http://127.0.0.1:{}", r.port),
+        ]);
+    }
+    let log = std::fs::File::create(temp(&format!("envoy-{port}.log"))).unwrap();
+    let child = cmd
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let served = Served { child, port, admin };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ready = std::panic::catch_unwind(|| http(admin, "GET", "/ready", None));
+        if ready.is_ok_and(|r| r.status == 200) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Envoy not ready; see {}",
+            temp(&format!("envoy-{port}.log")).display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    served
+}
+
+fn chat(tenant: usize, question: usize) -> String {
+    serde_json::json!({
+        "model": "cc-sim",
+        "max_tokens": 4,
+        "messages": [
+            {"role": "system", "content": format!("You are the assistant of tenant {tenant}. {}", "Answer briefly and politely. ".repeat(20))},
+            {"role": "user", "content": format!("question number {question}")},
+        ],
+    })
+    .to_string()
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn a_killed_replica_gets_no_traffic_once_its_failures_are_seen() {
+    let replicas: Vec<FakeServer> = (0..3)
+        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .collect();
+    let refs: Vec<&FakeServer> = replicas.iter().collect();
+    let mut args = FAST_SCRAPES.to_vec();
+    args.extend_from_slice(&["--failures-to-down", "2"]);
+    let envoy = serve(&refs, &args);
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Find which replica holds tenant 0, then kill it.
+    let first = http(
+        envoy.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat(0, 0)),
+    );
+    assert_eq!(first.status, 200);
+    let victim_name = first
+        .header("x-prefixroute-endpoint")
+        .expect("routed")
+        .to_string();
+    let victim: usize = victim_name.trim_start_matches("replica-").parse().unwrap();
+    let mut replicas = replicas;
+    drop(replicas.remove(victim));
+
+    // Two failed scrapes at 200 ms, plus slack for the tick that notices them.
+    std::thread::sleep(Duration::from_millis(1500));
+    for q in 1..=30 {
+        let reply = http(
+            envoy.port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat(q % 4, q)),
+        );
+        assert_eq!(
+            reply.status, 200,
+            "request {q} failed after the failure was seen"
+        );
+        let endpoint = reply.header("x-prefixroute-endpoint").unwrap();
+        assert_ne!(
+            endpoint, victim_name,
+            "request {q} went to the killed replica"
+        );
+        assert_eq!(reply.header("x-served-by"), Some(endpoint));
+    }
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn malformed_bodies_are_routed_not_failed_by_the_plugin() {
+    let replicas: Vec<FakeServer> = (0..2)
+        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .collect();
+    let refs: Vec<&FakeServer> = replicas.iter().collect();
+    let envoy = serve(&refs, &FAST_SCRAPES);
+    let cases = [
+        ("POST", "/v1/chat/completions", Some("{not json")),
+        ("POST", "/v1/chat/completions", Some(r#"{"messages": 5}"#)),
+        ("POST", "/v1/chat/completions", Some(r#"{"messages": []}"#)),
+        ("POST", "/v1/completions", Some(r#"{"prompt": {"a": 1}}"#)),
+        ("POST", "/v1/completions", Some("")),
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+    ];
+    for (method, path, body) in cases {
+        let reply = http(envoy.port, method, path, body);
+        assert!(
+            reply.status < 500,
+            "{method} {path} {body:?} -> {}",
+            reply.status
+        );
+        assert!(
+            reply.header("x-served-by").is_some(),
+            "{method} {path} {body:?} never reached a replica"
+        );
+    }
+    let stats = http(envoy.admin, "GET", "/stats?filter=prefixroute", None);
+    assert!(
+        stats.body.contains("prefixroute"),
+        "plugin stats missing:\n{}",
+        stats.body
+    );
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn a_client_supplied_destination_header_is_overwritten() {
+    let replicas: Vec<FakeServer> = (0..2)
+        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .collect();
+    let refs: Vec<&FakeServer> = replicas.iter().collect();
+    let envoy = serve(&refs, &FAST_SCRAPES);
+    let forced = format!("127.0.0.1:{}", replicas[0].port);
+    let header = [("x-gateway-destination-endpoint", forced.as_str())];
+    let mut served = BTreeMap::new();
+    for tenant in 0..12 {
+        for (method, path, body) in [
+            ("POST", "/v1/chat/completions", Some(chat(tenant, 1))),
+            ("GET", "/v1/models", None),
+        ] {
+            let reply = support::http_with(envoy.port, method, path, &header, body.as_deref());
+            assert_eq!(reply.status, 200);
+            *served
+                .entry(reply.header("x-served-by").unwrap().to_string())
+                .or_insert(0) += 1;
+        }
+    }
+    // Twelve tenants spread over both replicas despite every client naming replica-0.
+    assert_eq!(served.len(), 2, "{served:?}");
+}
