@@ -1,0 +1,503 @@
+//! Binary layouts of the values the plugin keeps in proxy-wasm shared data.
+//!
+//! Every `get_shared_data` copies the whole value into wasm memory under a process-wide lock,
+//! so values are small, fixed-order, little-endian records rather than JSON. Each starts with a
+//! layout byte: a value written by a different plugin build sharing the `vm_id` decodes as
+//! `None`, and callers treat it as absent (and overwrite it), instead of misreading it.
+//! Decoding never panics: truncated or corrupt bytes are `None` too.
+
+use prefixroute_core::metrics::EngineMetrics;
+
+/// Layout version of every value below.
+pub const LAYOUT: u8 = 1;
+
+/// Appends little-endian fields.
+#[derive(Debug, Default)]
+pub struct Writer(pub Vec<u8>);
+
+impl Writer {
+    pub fn with_layout() -> Self {
+        Writer(vec![LAYOUT])
+    }
+    pub fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    pub fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn f64(&mut self, v: f64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Reads little-endian fields; every read is `None` past the end.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    /// A reader positioned after the layout byte, or `None` for a foreign layout.
+    pub fn with_layout(bytes: &'a [u8]) -> Option<Self> {
+        let (&layout, rest) = bytes.split_first()?;
+        (layout == LAYOUT).then_some(Reader { bytes: rest })
+    }
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        if self.bytes.len() < N {
+            return None;
+        }
+        let (head, rest) = self.bytes.split_at(N);
+        self.bytes = rest;
+        head.try_into().ok()
+    }
+    pub fn u8(&mut self) -> Option<u8> {
+        self.take::<1>().map(|b| b[0])
+    }
+    pub fn u16(&mut self) -> Option<u16> {
+        self.take().map(u16::from_le_bytes)
+    }
+    pub fn u32(&mut self) -> Option<u32> {
+        self.take().map(u32::from_le_bytes)
+    }
+    pub fn u64(&mut self) -> Option<u64> {
+        self.take().map(u64::from_le_bytes)
+    }
+    pub fn f64(&mut self) -> Option<f64> {
+        self.take().map(f64::from_le_bytes)
+    }
+    pub fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Everything shared about one endpoint, under `prefixroute/ep/<ip:port>`: its index clock,
+/// its scrape lease and its last scrape. One key per endpoint means one `get` per endpoint per
+/// request gives the router the load, the health and the index clock together.
+///
+/// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | next_scrape_ms u64 |
+/// scraped_at_ms u64 | last_cold u64 | metrics mask u8 | one f64 per set mask bit`.
+/// 37 to 93 bytes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EndpointState {
+    /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
+    /// A block is believed held while `clock − stamp < capacity` (see `store`).
+    pub clock: u64,
+    /// Scrape lease: the root context that moves this forward (by CAS) owns the next scrape.
+    pub next_scrape_ms: u64,
+    /// When the last successful scrape finished (0 = never).
+    pub scraped_at_ms: u64,
+    /// no-hit-lru's memory, shared by all workers: the cold-request sequence number this
+    /// endpoint last took (0 = never).
+    pub last_cold: u64,
+    /// Consecutive failed scrapes (non-200 or no response).
+    pub failures: u16,
+    pub down: bool,
+    /// The last successful scrape; `None` = none yet, or the page did not parse.
+    pub metrics: Option<EngineMetrics>,
+}
+
+const FLAG_DOWN: u8 = 1;
+
+impl EndpointState {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        w.u8(if self.down { FLAG_DOWN } else { 0 });
+        w.u16(self.failures);
+        w.u64(self.clock);
+        w.u64(self.next_scrape_ms);
+        w.u64(self.scraped_at_ms);
+        w.u64(self.last_cold);
+        match &self.metrics {
+            None => w.u8(0),
+            Some(m) => {
+                // Bit 7 marks "metrics present" so a scrape with no known series is still a
+                // (measured, empty) scrape; bits 0..6 say which fields follow.
+                let fields = metric_fields(m);
+                let mut mask = 0x80u8;
+                for (bit, value) in fields.iter().enumerate() {
+                    if value.is_some() {
+                        mask |= 1 << bit;
+                    }
+                }
+                w.u8(mask);
+                for value in fields.into_iter().flatten() {
+                    w.f64(value);
+                }
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        let flags = r.u8()?;
+        let failures = r.u16()?;
+        let clock = r.u64()?;
+        let next_scrape_ms = r.u64()?;
+        let scraped_at_ms = r.u64()?;
+        let last_cold = r.u64()?;
+        let mask = r.u8()?;
+        let metrics = if mask & 0x80 == 0 {
+            None
+        } else {
+            let mut fields = [None; 7];
+            for (bit, field) in fields.iter_mut().enumerate() {
+                if mask & (1 << bit) != 0 {
+                    *field = Some(r.f64()?);
+                }
+            }
+            Some(EngineMetrics {
+                num_requests_waiting: fields[0],
+                num_requests_running: fields[1],
+                kv_cache_usage_perc: fields[2],
+                prefix_cache_queries_total: fields[3],
+                prefix_cache_hits_total: fields[4],
+                block_size: fields[5].map(|v| v as u32),
+                num_gpu_blocks: fields[6].map(|v| v as u64),
+            })
+        };
+        Some(EndpointState {
+            clock,
+            next_scrape_ms,
+            scraped_at_ms,
+            last_cold,
+            failures,
+            down: flags & FLAG_DOWN != 0,
+            metrics,
+        })
+    }
+}
+
+fn metric_fields(m: &EngineMetrics) -> [Option<f64>; 7] {
+    [
+        m.num_requests_waiting,
+        m.num_requests_running,
+        m.kv_cache_usage_perc,
+        m.prefix_cache_queries_total,
+        m.prefix_cache_hits_total,
+        m.block_size.map(f64::from),
+        // Block counts are far below 2^53, so the f64 round trip is exact.
+        m.num_gpu_blocks.map(|v| v as f64),
+    ]
+}
+
+/// One endpoint's claim on a block: its id (xxh64 of `ip:port`) and the stamp its clock gave
+/// the block when it was last recorded there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    pub endpoint: u64,
+    pub stamp: u64,
+}
+
+/// One block hash and the endpoints believed to hold it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub hash: u64,
+    pub holders: Vec<Holder>,
+}
+
+/// A bucket of the shared index (`prefixroute/ix/<bits>/<n>`): a handful of entries whose
+/// block hashes fall in it. Layout: `layout u8 | entries u8 | per entry: hash u64 |
+/// holders u8 | per holder: endpoint u64, stamp u64`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bucket {
+    pub entries: Vec<Entry>,
+}
+
+impl Bucket {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        let entries = &self.entries[..self.entries.len().min(u8::MAX as usize)];
+        w.u8(entries.len() as u8);
+        for e in entries {
+            w.u64(e.hash);
+            let holders = &e.holders[..e.holders.len().min(u8::MAX as usize)];
+            w.u8(holders.len() as u8);
+            for h in holders {
+                w.u64(h.endpoint);
+                w.u64(h.stamp);
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        let n = r.u8()? as usize;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let hash = r.u64()?;
+            let k = r.u8()? as usize;
+            let mut holders = Vec::with_capacity(k);
+            for _ in 0..k {
+                holders.push(Holder {
+                    endpoint: r.u64()?,
+                    stamp: r.u64()?,
+                });
+            }
+            entries.push(Entry { hash, holders });
+        }
+        Some(Bucket { entries })
+    }
+
+    pub fn find(&self, hash: u64) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.hash == hash)
+    }
+
+    /// The stamp `endpoint` holds `hash` with, if any.
+    pub fn stamp(&self, hash: u64, endpoint: u64) -> Option<u64> {
+        self.find(hash)?
+            .holders
+            .iter()
+            .find(|h| h.endpoint == endpoint)
+            .map(|h| h.stamp)
+    }
+}
+
+/// One plugin instance's (root context's) in-flight requests, under
+/// `prefixroute/inflight/<slot>`. Only that instance writes it, so it needs no CAS.
+/// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | n u16 | n × (endpoint u64, count u32)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InstanceRecord {
+    /// Which registration wrote this (a reused slot gets a new nonce).
+    pub nonce: u64,
+    pub heartbeat_ms: u64,
+    pub counts: Vec<(u64, u32)>,
+}
+
+impl InstanceRecord {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        w.u64(self.nonce);
+        w.u64(self.heartbeat_ms);
+        let counts = &self.counts[..self.counts.len().min(u16::MAX as usize)];
+        w.u16(counts.len() as u16);
+        for &(endpoint, count) in counts {
+            w.u64(endpoint);
+            w.u32(count);
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        let nonce = r.u64()?;
+        let heartbeat_ms = r.u64()?;
+        let n = r.u16()? as usize;
+        if r.remaining() < n * 12 {
+            return None;
+        }
+        let mut counts = Vec::with_capacity(n);
+        for _ in 0..n {
+            counts.push((r.u64()?, r.u32()?));
+        }
+        Some(InstanceRecord {
+            nonce,
+            heartbeat_ms,
+            counts,
+        })
+    }
+}
+
+/// A registered instance: its slot (which in-flight key it writes), its nonce, and when it
+/// registered (for reaping one that died before its first heartbeat).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    pub slot: u32,
+    pub nonce: u64,
+    pub registered_ms: u64,
+}
+
+/// The instance registry, `prefixroute/instances`. Layout: `layout u8 | next_nonce u64 |
+/// n u16 | n × (slot u32, nonce u64, registered_ms u64)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Registry {
+    pub next_nonce: u64,
+    pub members: Vec<Member>,
+}
+
+impl Registry {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        w.u64(self.next_nonce);
+        let members = &self.members[..self.members.len().min(u16::MAX as usize)];
+        w.u16(members.len() as u16);
+        for m in members {
+            w.u32(m.slot);
+            w.u64(m.nonce);
+            w.u64(m.registered_ms);
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        let next_nonce = r.u64()?;
+        let n = r.u16()? as usize;
+        if r.remaining() < n * 20 {
+            return None;
+        }
+        let mut members = Vec::with_capacity(n);
+        for _ in 0..n {
+            members.push(Member {
+                slot: r.u32()?,
+                nonce: r.u64()?,
+                registered_ms: r.u64()?,
+            });
+        }
+        Some(Registry {
+            next_nonce,
+            members,
+        })
+    }
+
+    /// The smallest slot no member uses, so slots (and their keys) are reused and the key
+    /// count stays bounded by the largest number of live instances.
+    pub fn free_slot(&self) -> u32 {
+        let mut slot = 0;
+        while self.members.iter().any(|m| m.slot == slot) {
+            slot += 1;
+        }
+        slot
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full_metrics() -> EngineMetrics {
+        EngineMetrics {
+            num_requests_waiting: Some(3.0),
+            num_requests_running: Some(5.5),
+            kv_cache_usage_perc: Some(0.25),
+            prefix_cache_queries_total: Some(1e9),
+            prefix_cache_hits_total: Some(12345.0),
+            block_size: Some(16),
+            num_gpu_blocks: Some(1 << 40),
+        }
+    }
+
+    #[test]
+    fn endpoint_state_round_trips_with_and_without_metrics() {
+        let mut s = EndpointState {
+            clock: u64::MAX - 1,
+            next_scrape_ms: 1_700_000_000_123,
+            scraped_at_ms: 42,
+            last_cold: 7,
+            failures: 3,
+            down: true,
+            metrics: None,
+        };
+        assert_eq!(s.encode().len(), 37);
+        assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
+        s.metrics = Some(full_metrics());
+        assert_eq!(s.encode().len(), 37 + 7 * 8);
+        assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
+        // Measured but empty (no known series) stays distinct from "no scrape".
+        s.metrics = Some(EngineMetrics::default());
+        s.down = false;
+        assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
+        // Partial metrics keep exactly their fields.
+        s.metrics = Some(EngineMetrics {
+            kv_cache_usage_perc: Some(0.5),
+            num_gpu_blocks: Some(7),
+            ..EngineMetrics::default()
+        });
+        assert_eq!(EndpointState::decode(&s.encode()), Some(s));
+    }
+
+    #[test]
+    fn decoders_reject_foreign_layouts_and_truncation_without_panicking() {
+        let s = EndpointState {
+            metrics: Some(full_metrics()),
+            ..EndpointState::default()
+        }
+        .encode();
+        for cut in 0..s.len() {
+            assert_eq!(EndpointState::decode(&s[..cut]), None, "cut at {cut}");
+        }
+        let mut foreign = s.clone();
+        foreign[0] = LAYOUT + 1;
+        assert_eq!(EndpointState::decode(&foreign), None);
+        assert_eq!(Bucket::decode(&[]), None);
+        assert_eq!(InstanceRecord::decode(&[LAYOUT, 1, 2]), None);
+        // A huge declared count with no data behind it is rejected, not allocated.
+        let mut lie = vec![LAYOUT];
+        lie.extend_from_slice(&[0; 16]);
+        lie.extend_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(InstanceRecord::decode(&lie), None);
+        let mut lie = vec![LAYOUT];
+        lie.extend_from_slice(&[0; 8]);
+        lie.extend_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(Registry::decode(&lie), None);
+    }
+
+    #[test]
+    fn bucket_round_trips_and_finds_stamps() {
+        let b = Bucket {
+            entries: vec![
+                Entry {
+                    hash: 7,
+                    holders: vec![
+                        Holder {
+                            endpoint: 1,
+                            stamp: 10,
+                        },
+                        Holder {
+                            endpoint: 2,
+                            stamp: 20,
+                        },
+                    ],
+                },
+                Entry {
+                    hash: u64::MAX,
+                    holders: vec![],
+                },
+            ],
+        };
+        let bytes = b.encode();
+        assert_eq!(bytes.len(), 2 + (9 + 32) + 9);
+        assert_eq!(Bucket::decode(&bytes), Some(b.clone()));
+        assert_eq!(b.stamp(7, 2), Some(20));
+        assert_eq!(b.stamp(7, 3), None);
+        assert_eq!(b.stamp(8, 1), None);
+        for cut in 0..bytes.len() {
+            assert_eq!(Bucket::decode(&bytes[..cut]), None);
+        }
+    }
+
+    #[test]
+    fn instance_record_and_registry_round_trip() {
+        let rec = InstanceRecord {
+            nonce: 9,
+            heartbeat_ms: 123,
+            counts: vec![(1, 2), (u64::MAX, u32::MAX)],
+        };
+        assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
+        let reg = Registry {
+            next_nonce: 5,
+            members: vec![
+                Member {
+                    slot: 0,
+                    nonce: 3,
+                    registered_ms: 1,
+                },
+                Member {
+                    slot: 2,
+                    nonce: 4,
+                    registered_ms: 2,
+                },
+            ],
+        };
+        assert_eq!(Registry::decode(&reg.encode()), Some(reg.clone()));
+        assert_eq!(reg.free_slot(), 1);
+        assert_eq!(Registry::default().free_slot(), 0);
+    }
+}

@@ -1,0 +1,694 @@
+//! Everything the plugin decides, without proxy-wasm: the root context owns one `Engine` and
+//! the HTTP contexts call into it. Time comes in as milliseconds and shared data through
+//! [`SharedData`], so the whole request/tick/scrape cycle runs in native tests, several
+//! "workers" sharing one [`crate::shared::MemShared`].
+
+use std::collections::BTreeMap;
+
+use prefixroute_core::config::PluginConfig;
+use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::scorer::estimate_load;
+use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
+
+use crate::codec::EndpointState;
+use crate::fallback::{self, FallbackReason};
+use crate::inflight::InFlight;
+use crate::scrape::{self, Claim, Observation, Transition};
+use crate::settings::{instance_stale_ms, tick_ms};
+use crate::shared::{cas_update, endpoint_key, CasOutcome, SharedData};
+use crate::stats::{stat_token, Event, ScrapeEnd};
+use crate::store::{endpoint_id, SharedIndex, CAS_ATTEMPTS};
+
+/// How a request's endpoint was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// By the router, on the parsed body.
+    Routed {
+        policy: Policy,
+        matched_blocks: usize,
+        total_blocks: usize,
+        cold: bool,
+    },
+    /// By the fallback choice.
+    Fallback(FallbackReason),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    pub endpoint: usize,
+    pub route: Route,
+}
+
+/// A scrape callout this instance sent and awaits.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    endpoint: usize,
+    sent_ms: u64,
+}
+
+pub struct Engine<H: SharedData> {
+    config: PluginConfig,
+    stat_names: Vec<String>,
+    keys: Vec<String>,
+    router: Router<SharedIndex<H>>,
+    hash: HashConfig,
+    inflight: InFlight,
+    fallback_cursor: usize,
+    pending: BTreeMap<u32, Pending>,
+    events: Vec<Event>,
+    tick_ms: u64,
+}
+
+impl<H: SharedData> Engine<H> {
+    pub fn new(host: H, config: PluginConfig) -> Self {
+        let addresses: Vec<String> = config.endpoints.iter().map(|e| e.address.clone()).collect();
+        let router_config = config.router_config();
+        let store = SharedIndex::new(host, &addresses, config.index_capacity_blocks);
+        let tick = tick_ms(config.scrape.interval_ms);
+        Engine {
+            stat_names: config
+                .endpoints
+                .iter()
+                .map(|e| stat_token(&e.name))
+                .collect(),
+            keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
+            router: Router::with_store(router_config, addresses.len(), store),
+            hash: router_config.hash,
+            inflight: InFlight::new(
+                addresses.iter().map(|a| endpoint_id(a)).collect(),
+                instance_stale_ms(tick),
+            ),
+            fallback_cursor: 0,
+            pending: BTreeMap::new(),
+            events: Vec::new(),
+            tick_ms: tick,
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &PluginConfig {
+        &self.config
+    }
+
+    pub fn tick_ms(&self) -> u64 {
+        self.tick_ms
+    }
+
+    pub fn endpoints(&self) -> usize {
+        self.config.endpoints.len()
+    }
+
+    /// `ip:port` of an endpoint (the destination header value).
+    pub fn address(&self, endpoint: usize) -> &str {
+        self.config
+            .endpoints
+            .get(endpoint)
+            .map_or("", |e| e.address.as_str())
+    }
+
+    pub fn name(&self, endpoint: usize) -> &str {
+        self.config
+            .endpoints
+            .get(endpoint)
+            .map_or("", |e| e.name.as_str())
+    }
+
+    /// Endpoint names as they appear in stat names.
+    pub fn stat_names(&self) -> &[String] {
+        &self.stat_names
+    }
+
+    pub fn table_bits(&self) -> u32 {
+        self.router.store().table_bits()
+    }
+
+    fn host(&self) -> &H {
+        self.router.store().host()
+    }
+
+    /// Routes a complete request body; anything the core cannot parse goes to the fallback.
+    pub fn route(&mut self, body: &[u8], now_ms: u64) -> Choice {
+        let request = match parse_request(body) {
+            Ok(r) => r,
+            Err(_) => return self.fallback(FallbackReason::ParseError, now_ms),
+        };
+        let hashes = hash_request(&request, self.hash);
+        self.router.store_mut().begin_request();
+        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
+        let stale_after = self.config.scrape.stale_after_ms;
+        let loads: Vec<EndpointLoad> = (0..self.endpoints())
+            .map(|e| {
+                let state = self.router.store().endpoint_state(e);
+                let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
+                estimate_load(metrics, in_flight[e], state.down)
+            })
+            .collect();
+        // no-hit-lru must see the cold picks of every worker, not just this one's.
+        let last_cold: Vec<Option<u64>> = (0..self.endpoints())
+            .map(|e| Some(self.router.store().endpoint_state(e).last_cold).filter(|&t| t > 0))
+            .collect();
+        self.router.set_last_cold(&last_cold);
+        let decision = self.router.pick(&hashes, &loads);
+        self.router.commit(&decision, &hashes);
+        let store_stats = self.router.store_mut().end_request();
+        self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
+        if decision.cold {
+            self.publish_cold(decision.endpoint);
+        }
+        self.acquire(decision.endpoint, now_ms);
+        self.events.push(Event::Routed {
+            policy: decision.policy,
+            endpoint: decision.endpoint,
+            cold: decision.cold,
+        });
+        Choice {
+            endpoint: decision.endpoint,
+            route: Route::Routed {
+                policy: decision.policy,
+                matched_blocks: decision.matched_blocks(),
+                total_blocks: decision.total_blocks,
+                cold: decision.cold,
+            },
+        }
+    }
+
+    /// Shares a cold pick: the endpoint's `last_cold` becomes the router's new stamp (one past
+    /// the largest any worker had published).
+    fn publish_cold(&mut self, endpoint: usize) {
+        let Some(stamp) = self.router.last_cold().get(endpoint).copied().flatten() else {
+            return;
+        };
+        let outcome = cas_update(
+            self.host(),
+            &self.keys[endpoint],
+            CAS_ATTEMPTS,
+            EndpointState::decode,
+            EndpointState::encode,
+            |current| {
+                let mut state = current.unwrap_or_default();
+                (state.last_cold < stamp).then(|| {
+                    state.last_cold = stamp;
+                    state
+                })
+            },
+        );
+        match outcome {
+            CasOutcome::Written(_) | CasOutcome::Unchanged => {}
+            CasOutcome::GaveUp => self.events.push(Event::CasGiveUps(1)),
+            CasOutcome::HostError(_) => self.events.push(Event::SharedDataErrors(1)),
+        }
+    }
+
+    /// Chooses an endpoint without a parsed body (see [`fallback`]).
+    pub fn fallback(&mut self, reason: FallbackReason, now_ms: u64) -> Choice {
+        self.router.store_mut().begin_request();
+        let down: Vec<bool> = (0..self.endpoints())
+            .map(|e| self.router.store().endpoint_state(e).down)
+            .collect();
+        let store_stats = self.router.store_mut().end_request();
+        self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
+        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
+        let endpoint = fallback::choose(&down, &in_flight, &mut self.fallback_cursor);
+        self.acquire(endpoint, now_ms);
+        self.events.push(Event::Fallback { reason, endpoint });
+        Choice {
+            endpoint,
+            route: Route::Fallback(reason),
+        }
+    }
+
+    fn acquire(&mut self, endpoint: usize, now_ms: u64) {
+        self.inflight
+            .acquire(self.router.store().host(), endpoint, now_ms);
+        self.drain_inflight_stats();
+    }
+
+    /// A request steered to `endpoint` finished (or was reset).
+    pub fn release(&mut self, endpoint: usize, now_ms: u64) {
+        self.inflight
+            .release(self.router.store().host(), endpoint, now_ms);
+        self.drain_inflight_stats();
+    }
+
+    fn drain_inflight_stats(&mut self) {
+        let s = self.inflight.take_stats();
+        self.count_shared(s.cas_give_ups, s.host_errors);
+    }
+
+    fn count_shared(&mut self, give_ups: u32, errors: u32) {
+        if give_ups > 0 {
+            self.events.push(Event::CasGiveUps(give_ups));
+        }
+        if errors > 0 {
+            self.events.push(Event::SharedDataErrors(errors));
+        }
+    }
+
+    /// Periodic work of a root context: heartbeat and reap in-flight counts, publish gauges,
+    /// and claim due scrapes. Returns the endpoints this instance must scrape now.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<usize> {
+        self.inflight.tick(self.router.store().host(), now_ms);
+        self.drain_inflight_stats();
+        // A callout always completes (Envoy enforces its timeout), but never let a lost one
+        // block its endpoint's scrapes.
+        let expiry = self.config.scrape.timeout_ms + self.config.scrape.interval_ms;
+        self.pending
+            .retain(|_, p| now_ms.saturating_sub(p.sent_ms) <= expiry);
+        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
+        let mut due = Vec::new();
+        for (e, &count) in in_flight.iter().enumerate() {
+            let key = &self.keys[e];
+            let awaiting = self.pending.values().any(|p| p.endpoint == e);
+            let (claim, state) = if awaiting {
+                (Claim::NotDue, scrape::read(self.host(), key))
+            } else {
+                scrape::try_claim(self.host(), key, now_ms, self.config.scrape.interval_ms)
+            };
+            match claim {
+                Claim::Claimed => due.push(e),
+                Claim::HostError(_) => self.events.push(Event::SharedDataErrors(1)),
+                Claim::NotDue | Claim::Lost => {}
+            }
+            self.events.push(Event::Gauges {
+                endpoint: e,
+                in_flight: count,
+                down: state.down,
+            });
+        }
+        due
+    }
+
+    /// Headers of the scrape callout to `endpoint`. `:authority` and
+    /// `x-envoy-original-dst-host` both carry `ip:port`, so an ORIGINAL_DST cluster with
+    /// `use_http_header: true` connects exactly there (see README).
+    pub fn scrape_headers(&self, endpoint: usize) -> Vec<(&str, &str)> {
+        let address = self.address(endpoint);
+        vec![
+            (":method", "GET"),
+            (":path", self.config.scrape.path.as_str()),
+            (":authority", address),
+            (":scheme", "http"),
+            ("x-envoy-original-dst-host", address),
+            ("accept", "text/plain"),
+        ]
+    }
+
+    /// The callout for `endpoint` was sent with `token`.
+    pub fn scrape_sent(&mut self, token: u32, endpoint: usize, now_ms: u64) {
+        self.pending.insert(
+            token,
+            Pending {
+                endpoint,
+                sent_ms: now_ms,
+            },
+        );
+    }
+
+    /// Envoy refused to send the callout. Not the endpoint's fault, so not a failure towards
+    /// `down`; the lease simply moves on to the next interval.
+    pub fn scrape_not_sent(&mut self, endpoint: usize) {
+        self.events.push(Event::Scrape {
+            endpoint,
+            end: ScrapeEnd::DispatchError,
+        });
+    }
+
+    /// A callout finished: `status` is the response's `:status` (`None` for no response).
+    /// Returns the endpoint and what changed, or `None` for an unknown token.
+    pub fn scrape_done(
+        &mut self,
+        token: u32,
+        status: Option<u32>,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Option<(usize, Transition)> {
+        let Pending { endpoint, .. } = self.pending.remove(&token)?;
+        let observation = scrape::observe(
+            status,
+            body,
+            &self.config.metric_prefix,
+            self.config.model.as_deref(),
+        );
+        let end = match observation {
+            Observation::Metrics(_) => ScrapeEnd::Ok,
+            Observation::Unparseable => ScrapeEnd::Unparseable,
+            Observation::Failed => ScrapeEnd::Failed,
+        };
+        let (outcome, transition) = scrape::record(
+            self.host(),
+            &self.keys[endpoint],
+            &observation,
+            now_ms,
+            self.config.scrape.failures_to_down,
+            self.router.store().capacity(),
+        );
+        self.events.push(Event::Scrape { endpoint, end });
+        match outcome {
+            CasOutcome::Written(_) => {
+                if transition.went_down {
+                    self.events.push(Event::EndpointDown(endpoint));
+                }
+                if transition.came_up {
+                    self.events.push(Event::EndpointUp(endpoint));
+                }
+                if transition.forgot {
+                    self.events.push(Event::IndexForgotten(endpoint));
+                }
+                Some((endpoint, transition))
+            }
+            CasOutcome::GaveUp => {
+                self.events.push(Event::CasGiveUps(1));
+                Some((endpoint, Transition::default()))
+            }
+            CasOutcome::HostError(_) | CasOutcome::Unchanged => {
+                self.events.push(Event::SharedDataErrors(1));
+                Some((endpoint, Transition::default()))
+            }
+        }
+    }
+
+    pub fn drain_events(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::MemShared;
+    use prefixroute_core::config::EndpointConfig;
+    use prefixroute_core::metrics::EngineMetrics;
+
+    fn config(n: usize, policy: Policy) -> PluginConfig {
+        PluginConfig {
+            endpoints: (0..n)
+                .map(|i| EndpointConfig {
+                    name: format!("e{i}"),
+                    address: format!("127.0.0.1:{}", 18000 + i),
+                })
+                .collect(),
+            policy,
+            block_size: 4,
+            seed: 11,
+            ..PluginConfig::default()
+        }
+    }
+
+    fn chat(system: &str, user: &str) -> Vec<u8> {
+        serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user}
+            ]
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    fn page(waiting: u32, running: u32, kv: f64) -> String {
+        format!(
+            "vllm:num_requests_waiting {waiting}\nvllm:num_requests_running {running}\n\
+             vllm:kv_cache_usage_perc {kv}\n"
+        )
+    }
+
+    /// Runs one tick and answers every claimed scrape with `pages[e]`.
+    fn tick_and_scrape(engine: &mut Engine<MemShared>, now: u64, pages: &[Option<String>]) {
+        for (k, e) in engine.tick(now).into_iter().enumerate() {
+            let token = 1000 + now as u32 * 16 + k as u32;
+            engine.scrape_sent(token, e, now);
+            match &pages[e] {
+                Some(p) => engine.scrape_done(token, Some(200), p.as_bytes(), now + 1),
+                None => engine.scrape_done(token, None, b"", now + 1),
+            };
+        }
+    }
+
+    #[test]
+    fn same_prefix_goes_to_the_same_endpoint_across_workers() {
+        let host = MemShared::new();
+        let mut w1 = Engine::new(host.clone(), config(4, Policy::Prefix));
+        let mut w2 = Engine::new(host.clone(), config(4, Policy::Prefix));
+        let system = "You are the support bot of tenant seven. ".repeat(20);
+        let first = w1.route(&chat(&system, "where is my order?"), 0);
+        let Route::Routed { cold, .. } = first.route else {
+            panic!("{first:?}")
+        };
+        assert!(cold);
+        w1.release(first.endpoint, 1);
+        let second = w2.route(&chat(&system, "cancel it please"), 2);
+        assert_eq!(second.endpoint, first.endpoint);
+        let Route::Routed {
+            matched_blocks,
+            total_blocks,
+            cold,
+            ..
+        } = second.route
+        else {
+            panic!("{second:?}")
+        };
+        assert!(!cold && matched_blocks > 0 && matched_blocks < total_blocks);
+    }
+
+    #[test]
+    fn cold_prefixes_spread_across_workers() {
+        let host = MemShared::new();
+        let mut workers: Vec<Engine<MemShared>> = (0..3)
+            .map(|_| Engine::new(host.clone(), config(3, Policy::Prefix)))
+            .collect();
+        // Three new tenants, each arriving on a different worker, land on three replicas.
+        // (Completions prompts: chat bodies would share their first block, the role marker.)
+        let mut seen: Vec<usize> = (0..3)
+            .map(|t| {
+                let body = serde_json::json!({"prompt": format!("tenant {t} prompt ").repeat(30)});
+                workers[t].route(body.to_string().as_bytes(), 0).endpoint
+            })
+            .collect();
+        seen.sort();
+        assert_eq!(seen, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn bad_bodies_fall_back_and_are_counted() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host, config(3, Policy::Prefix));
+        for body in [
+            &b"not json"[..],
+            b"[1,2]",
+            br#"{"messages":[]}"#,
+            br#"{"messages":"x"}"#,
+            br#"{"prompt":5}"#,
+        ] {
+            let c = e.route(body, 0);
+            assert_eq!(c.route, Route::Fallback(FallbackReason::ParseError));
+        }
+        let events = e.drain_events();
+        let fallbacks = events
+            .iter()
+            .filter(|ev| matches!(ev, Event::Fallback { .. }))
+            .count();
+        assert_eq!(fallbacks, 5);
+        // Streaming requests route normally.
+        let c = e.route(br#"{"model":"m","prompt":"hi there","stream":true}"#, 0);
+        assert!(matches!(c.route, Route::Routed { .. }));
+    }
+
+    #[test]
+    fn fallback_spreads_by_in_flight_and_skips_down_endpoints() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host, config(3, Policy::Prefix));
+        let picks: Vec<usize> = (0..3)
+            .map(|_| e.fallback(FallbackReason::NotRoutable, 0).endpoint)
+            .collect();
+        assert_eq!(picks, vec![0, 1, 2]);
+        e.release(1, 0);
+        assert_eq!(e.fallback(FallbackReason::NotRoutable, 0).endpoint, 1);
+        // Endpoint 0 fails its scrapes twice: down.
+        let pages = [None, Some(page(0, 0, 0.0)), Some(page(0, 0, 0.0))];
+        tick_and_scrape(&mut e, 1000, &pages);
+        tick_and_scrape(&mut e, 2000, &pages);
+        assert!(e.drain_events().contains(&Event::EndpointDown(0)));
+        for _ in 0..4 {
+            assert_ne!(e.fallback(FallbackReason::NotRoutable, 2100).endpoint, 0);
+        }
+        // The router avoids it too.
+        for i in 0..4 {
+            let body = chat("sys", &format!("q{i}"));
+            assert_ne!(e.route(&body, 2100).endpoint, 0);
+        }
+    }
+
+    #[test]
+    fn one_scrape_per_endpoint_per_interval_across_workers() {
+        let host = MemShared::new();
+        let mut workers: Vec<Engine<MemShared>> = (0..3)
+            .map(|_| Engine::new(host.clone(), config(2, Policy::Prefix)))
+            .collect();
+        let mut scrapes = [0; 2];
+        // interval 1000 ms, tick 250 ms, 5 s.
+        for now in (0..5000).step_by(250) {
+            for w in workers.iter_mut() {
+                for e in w.tick(now) {
+                    scrapes[e] += 1;
+                    w.scrape_sent(now as u32 + e as u32, e, now);
+                    w.scrape_done(now as u32 + e as u32, Some(200), b"", now + 5);
+                }
+            }
+        }
+        assert_eq!(scrapes, [5, 5]);
+    }
+
+    #[test]
+    fn stale_or_failed_scrapes_leave_endpoints_unmeasured() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(2, Policy::LeastQueue));
+        tick_and_scrape(&mut e, 0, &[Some(page(9, 0, 0.0)), Some(page(1, 0, 0.0))]);
+        let c = e.route(&chat("s", "a"), 10);
+        assert_eq!(c.endpoint, 1, "shorter measured queue");
+        e.release(1, 10);
+        // Long after stale_after_ms (5 s) without new scrapes both are unmeasured: a tie.
+        let mut seen = [false; 2];
+        for i in 0..32 {
+            let c = e.route(&chat("s", &format!("{i}")), 60_000);
+            e.release(c.endpoint, 60_000);
+            seen[c.endpoint] = true;
+        }
+        assert_eq!(seen, [true, true]);
+    }
+
+    #[test]
+    fn in_flight_requests_shift_load_between_scrapes() {
+        let host = MemShared::new();
+        let mut w1 = Engine::new(host.clone(), config(2, Policy::LeastQueue));
+        let mut w2 = Engine::new(host.clone(), config(2, Policy::LeastQueue));
+        let idle = Some(page(0, 0, 0.0));
+        tick_and_scrape(&mut w1, 0, &[idle.clone(), idle]);
+        // w1 sends requests; w2 sees them without any new scrape.
+        let a = w1.route(&chat("s", "1"), 10).endpoint;
+        let b = w1.route(&chat("s", "2"), 10).endpoint;
+        assert_ne!(a, b, "the first in-flight request already counts");
+        let c = w1.route(&chat("s", "3"), 10).endpoint;
+        // w1 registered on its first request; peers learn of it on their next tick.
+        w2.tick(15);
+        w1.release(a, 20);
+        w1.release(b, 20);
+        let d = w2.route(&chat("s", "4"), 30).endpoint;
+        assert_ne!(d, c, "w2 sees w1's remaining in-flight request");
+    }
+
+    #[test]
+    fn restart_detection_forgets_the_index() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host, config(2, Policy::PrefixOnly));
+        let body = chat(&"long shared prompt ".repeat(10), "q");
+        let first = e.route(&body, 0).endpoint;
+        e.release(first, 0);
+        let mut pages = vec![Some(page(0, 0, 0.0)), Some(page(0, 0, 0.0))];
+        pages[first] = None;
+        tick_and_scrape(&mut e, 1000, &pages);
+        tick_and_scrape(&mut e, 2000, &pages);
+        pages[first] = Some(page(0, 0, 0.0));
+        tick_and_scrape(&mut e, 3000, &pages);
+        let events = e.drain_events();
+        assert!(events.contains(&Event::EndpointUp(first)));
+        assert!(events.contains(&Event::IndexForgotten(first)));
+        let again = e.route(&body, 3100);
+        assert!(matches!(again.route, Route::Routed { cold: true, .. }));
+    }
+
+    /// The differential property the wasmtime harness checks end to end: with one VM, the
+    /// plugin's choices equal core's in-memory Router's for the same requests and loads.
+    #[test]
+    fn one_instance_decides_exactly_like_core_router() {
+        for policy in Policy::ALL {
+            let host = MemShared::new();
+            let cfg = config(4, policy);
+            let mut engine = Engine::new(host, cfg.clone());
+            let mut core = Router::new(cfg.router_config(), 4);
+            let metrics = [
+                EngineMetrics {
+                    num_requests_waiting: Some(0.0),
+                    num_requests_running: Some(0.0),
+                    kv_cache_usage_perc: Some(0.1),
+                    ..EngineMetrics::default()
+                },
+                EngineMetrics {
+                    num_requests_waiting: Some(2.0),
+                    num_requests_running: Some(1.0),
+                    kv_cache_usage_perc: Some(0.5),
+                    ..EngineMetrics::default()
+                },
+                EngineMetrics::default(),
+                EngineMetrics {
+                    num_requests_waiting: Some(1.0),
+                    num_requests_running: Some(3.0),
+                    kv_cache_usage_perc: Some(0.95),
+                    ..EngineMetrics::default()
+                },
+            ];
+            let pages: Vec<Option<String>> = metrics
+                .iter()
+                .map(|m| {
+                    let mut p = String::new();
+                    if let Some(w) = m.num_requests_waiting {
+                        p += &format!("vllm:num_requests_waiting {w}\n");
+                    }
+                    if let Some(r) = m.num_requests_running {
+                        p += &format!("vllm:num_requests_running {r}\n");
+                    }
+                    if let Some(k) = m.kv_cache_usage_perc {
+                        p += &format!("vllm:kv_cache_usage_perc {k}\n");
+                    }
+                    Some(p)
+                })
+                .collect();
+            tick_and_scrape(&mut engine, 0, &pages);
+            let mut in_flight = [0u32; 4];
+            let mut open: Vec<usize> = Vec::new();
+            let tenants: Vec<String> = (0..5)
+                .map(|t| format!("tenant {t} system prompt. ").repeat(8))
+                .collect();
+            for i in 0..120u64 {
+                let body = chat(&tenants[(i * 7 % 5) as usize], &format!("question {i}"));
+                let hashes = hash_request(&parse_request(&body).unwrap(), cfg.router_config().hash);
+                let loads: Vec<EndpointLoad> = (0..4)
+                    .map(|e| estimate_load(Some(&metrics[e]), in_flight[e], false))
+                    .collect();
+                let expected = core.pick(&hashes, &loads);
+                core.commit(&expected, &hashes);
+                let got = engine.route(&body, 10 + i);
+                assert_eq!(got.endpoint, expected.endpoint, "{policy} request {i}");
+                in_flight[got.endpoint] += 1;
+                open.push(got.endpoint);
+                if i % 3 == 2 {
+                    let done = open.remove(0);
+                    in_flight[done] -= 1;
+                    engine.release(done, 10 + i);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shared_data_cost_per_request() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(4, Policy::Prefix));
+        let system = "word ".repeat(400); // ~100 blocks of 4 tokens
+        let warm = e.route(&chat(&system, "q0"), 0).endpoint;
+        e.release(warm, 0);
+        let (g0, s0) = host.calls();
+        let c = e.route(&chat(&system, "q1 is new"), 1);
+        let (g1, s1) = host.calls();
+        let Route::Routed { total_blocks, .. } = c.route else {
+            panic!()
+        };
+        // gets: 4 endpoint records + one bucket per block walked (+ the first miss) +
+        // re-reads before CAS writes; sets: the new tail blocks' buckets, one clock, one
+        // in-flight record.
+        let (gets, sets) = (g1 - g0, s1 - s0);
+        assert!(gets as usize <= 4 + total_blocks + 4, "gets {gets}");
+        assert!(sets <= 6, "sets {sets}");
+        eprintln!("blocks {total_blocks}: {gets} gets, {sets} sets");
+    }
+}

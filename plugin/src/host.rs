@@ -1,0 +1,76 @@
+//! The host behind the engine's abstractions: shared data and Envoy stats.
+
+use std::collections::BTreeMap;
+
+use crate::abi;
+use crate::shared::{SetError, SharedData};
+use crate::stats::{updates, Event, Kind, Op};
+
+/// Envoy's shared data (process-wide for this `vm_id`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostShared;
+
+impl SharedData for HostShared {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, u32> {
+        abi::get_shared(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), SetError> {
+        abi::set_shared(key, value, cas).map_err(|s| {
+            if s == abi::CAS_MISMATCH {
+                SetError::CasMismatch
+            } else {
+                SetError::Host(s)
+            }
+        })
+    }
+}
+
+/// Metric ids by name, defined on first use (each VM defines its own ids for the same Envoy
+/// stat, so workers add up in one counter).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    ids: BTreeMap<(Kind, String), u32>,
+}
+
+impl Metrics {
+    pub fn record(&mut self, events: &[Event], names: &[String]) {
+        for event in events {
+            for u in updates(event, names) {
+                let key = (u.kind, u.name);
+                let id = match self.ids.get(&key) {
+                    Some(&id) => id,
+                    None => {
+                        let kind = match key.0 {
+                            Kind::Counter => abi::COUNTER,
+                            Kind::Gauge => abi::GAUGE,
+                        };
+                        // A metric the host refuses is skipped, never fatal.
+                        let Ok(id) = abi::define_metric(kind, &key.1) else {
+                            continue;
+                        };
+                        self.ids.insert(key, id);
+                        id
+                    }
+                };
+                let _ = match u.op {
+                    Op::Add(0) => Ok(()),
+                    Op::Add(n) => abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX)),
+                    Op::Set(v) => abi::record_metric(id, v),
+                };
+            }
+        }
+    }
+}
+
+pub fn info(message: &str) {
+    abi::log(abi::INFO, message);
+}
+
+pub fn warn(message: &str) {
+    abi::log(abi::WARN, message);
+}
+
+pub fn error(message: &str) {
+    abi::log(abi::ERROR, message);
+}

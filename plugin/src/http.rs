@@ -1,0 +1,240 @@
+//! The HTTP context: one per request. Pause on headers, buffer the body, decide, set the
+//! destination header, resume; decorate the response headers; release the in-flight count when
+//! the stream ends.
+//!
+//! Every host call here goes through [`crate::abi`] and every failure degrades to a fallback
+//! choice (or to no destination, which Envoy's override_host `fallback_policy` handles) plus a
+//! counted metric. Nothing on this path can panic.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+
+use crate::abi;
+use crate::engine::{Choice, Route};
+use crate::fallback::FallbackReason;
+use crate::host::Metrics;
+use crate::root::{flush, SharedEngine};
+use crate::settings::is_routable;
+use crate::stats::Event;
+
+/// The destination header when no configuration is loaded (core's default).
+const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Headers not seen yet, or decided.
+    Idle,
+    /// Routable request paused on headers; buffering the body.
+    AwaitingBody {
+        buffered: usize,
+    },
+    Decided,
+}
+
+pub struct Filter {
+    engine: Option<SharedEngine>,
+    metrics: Rc<RefCell<Metrics>>,
+    phase: Phase,
+    choice: Option<Choice>,
+    /// The in-flight count of `choice` was released (stream ended).
+    released: bool,
+}
+
+impl Filter {
+    pub fn new(engine: Option<SharedEngine>, metrics: Rc<RefCell<Metrics>>) -> Self {
+        Filter {
+            engine,
+            metrics,
+            phase: Phase::Idle,
+            choice: None,
+            released: false,
+        }
+    }
+
+    fn destination_header(&self) -> String {
+        self.engine
+            .as_ref()
+            .and_then(|e| e.try_borrow().ok())
+            .map_or_else(
+                || DEFAULT_DESTINATION_HEADER.to_string(),
+                |e| e.config().destination_header.clone(),
+            )
+    }
+
+    fn max_body_bytes(&self) -> usize {
+        self.engine
+            .as_ref()
+            .and_then(|e| e.try_borrow().ok())
+            .map_or(usize::MAX, |e| e.config().max_body_bytes)
+    }
+
+    fn count(&self, event: Event) {
+        let engine = self.engine.as_ref().and_then(|e| e.try_borrow().ok());
+        let names = engine.as_ref().map_or(&[][..], |e| e.stat_names());
+        if let Ok(mut m) = self.metrics.try_borrow_mut() {
+            m.record(&[event], names);
+        }
+    }
+
+    /// Decides with `decide`, sets the destination header and records the choice.
+    fn steer(
+        &mut self,
+        decide: impl FnOnce(&mut crate::engine::Engine<crate::host::HostShared>, u64) -> Choice,
+    ) {
+        self.phase = Phase::Decided;
+        // Without the engine (not configured, or a re-entrant call) there is no choice to
+        // make: the client's header was already removed, so Envoy's fallback_policy picks.
+        let internal = Event::Fallback {
+            reason: FallbackReason::Internal,
+            endpoint: 0,
+        };
+        let Some(engine) = self.engine.clone() else {
+            self.count(internal);
+            return;
+        };
+        let Ok(mut e) = engine.try_borrow_mut() else {
+            self.count(internal);
+            return;
+        };
+        let choice = decide(&mut e, abi::now_ms());
+        let header = e.config().destination_header.clone();
+        let address = e.address(choice.endpoint).to_string();
+        flush(&mut e, &self.metrics);
+        drop(e);
+        self.choice = Some(choice);
+        if abi::replace_header(abi::REQUEST_HEADERS, &header, &address).is_err() {
+            self.count(Event::HeaderError);
+        }
+    }
+
+    fn fallback(&mut self, reason: FallbackReason) {
+        self.steer(|e, now| e.fallback(reason, now));
+    }
+
+    fn route_buffered_body(&mut self, size: usize) {
+        match abi::get_buffer(abi::REQUEST_BODY, 0, size) {
+            Ok(Some(body)) => self.steer(|e, now| e.route(&body, now)),
+            Ok(None) if size == 0 => self.steer(|e, now| e.route(b"", now)),
+            _ => self.fallback(FallbackReason::BodyUnavailable),
+        }
+    }
+
+    fn release(&mut self) {
+        if self.released {
+            return;
+        }
+        self.released = true;
+        let (Some(choice), Some(engine)) = (self.choice, self.engine.as_ref()) else {
+            return;
+        };
+        if let Ok(mut e) = engine.try_borrow_mut() {
+            e.release(choice.endpoint, abi::now_ms());
+            flush(&mut e, &self.metrics);
+        }
+    }
+}
+
+impl Context for Filter {
+    fn on_done(&mut self) -> bool {
+        self.release();
+        true
+    }
+}
+
+impl HttpContext for Filter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.count(Event::Request);
+        // Drop any client-supplied destination first: whatever happens next, a client never
+        // picks the upstream host.
+        if abi::remove_header(abi::REQUEST_HEADERS, &self.destination_header()).is_err() {
+            self.count(Event::HeaderError);
+        }
+        let header = |name| {
+            abi::get_header_string(abi::REQUEST_HEADERS, name)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
+        if !is_routable(&header(":method"), &header(":path")) {
+            self.fallback(FallbackReason::NotRoutable);
+            return Action::Continue;
+        }
+        if end_of_stream {
+            self.fallback(FallbackReason::NoBody);
+            return Action::Continue;
+        }
+        // Wait for the body (needs `allow_on_headers_stop_iteration: true` in Envoy ≥ 1.35).
+        self.phase = Phase::AwaitingBody { buffered: 0 };
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !matches!(self.phase, Phase::AwaitingBody { .. }) {
+            return Action::Continue;
+        }
+        // `body_size` is the total buffered so far.
+        self.phase = Phase::AwaitingBody {
+            buffered: body_size,
+        };
+        if body_size > self.max_body_bytes() {
+            self.fallback(FallbackReason::BodyTooLarge);
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.route_buffered_body(body_size);
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body that ends with trailers: the body callbacks never saw end_of_stream.
+        if let Phase::AwaitingBody { buffered } = self.phase {
+            self.route_buffered_body(buffered);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let (Some(choice), Some(engine)) = (self.choice, self.engine.as_ref()) else {
+            return Action::Continue;
+        };
+        let Ok(e) = engine.try_borrow() else {
+            return Action::Continue;
+        };
+        let name = e.name(choice.endpoint).to_string();
+        drop(e);
+        let mut headers = vec![("x-prefixroute-endpoint", name)];
+        match choice.route {
+            Route::Routed {
+                policy,
+                matched_blocks,
+                total_blocks,
+                ..
+            } => {
+                headers.push(("x-prefixroute-policy", policy.name().to_string()));
+                headers.push((
+                    "x-prefixroute-match",
+                    format!("{matched_blocks}/{total_blocks}"),
+                ));
+            }
+            Route::Fallback(reason) => {
+                headers.push(("x-prefixroute-policy", "fallback".to_string()));
+                headers.push(("x-prefixroute-fallback", reason.name().to_string()));
+            }
+        }
+        for (name, value) in headers {
+            if abi::replace_header(abi::RESPONSE_HEADERS, name, &value).is_err() {
+                self.count(Event::HeaderError);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.release();
+    }
+}

@@ -1,0 +1,210 @@
+//! The root context: one per VM instance (each Envoy worker, plus the main thread). It owns the
+//! engine, loads the configuration, ticks (heartbeat, reaping, scrape leases) and receives the
+//! scrape callouts' responses.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::ContextType;
+
+use crate::abi;
+use crate::engine::Engine;
+use crate::host::{self, HostShared, Metrics};
+use crate::http::Filter;
+use crate::settings::load_config;
+
+pub type SharedEngine = Rc<RefCell<Engine<HostShared>>>;
+
+/// Drains the engine's events into Envoy stats.
+pub fn flush(engine: &mut Engine<HostShared>, metrics: &RefCell<Metrics>) {
+    let events = engine.drain_events();
+    if events.is_empty() {
+        return;
+    }
+    if let Ok(mut m) = metrics.try_borrow_mut() {
+        m.record(&events, engine.stat_names());
+    }
+}
+
+pub struct PluginRoot {
+    engine: Option<SharedEngine>,
+    metrics: Rc<RefCell<Metrics>>,
+    /// Warn about an unusable scrape cluster once, not every tick.
+    dispatch_warned: bool,
+}
+
+impl PluginRoot {
+    pub fn new(_context_id: u32) -> Self {
+        PluginRoot {
+            engine: None,
+            metrics: Rc::new(RefCell::new(Metrics::default())),
+            dispatch_warned: false,
+        }
+    }
+
+    fn scrape(&mut self, engine: &SharedEngine, now: u64) {
+        // Collect the callouts first and dispatch without holding the engine borrow.
+        let (cluster, timeout, jobs) = {
+            let Ok(mut e) = engine.try_borrow_mut() else {
+                return;
+            };
+            let due = e.tick(now);
+            let jobs: Vec<(usize, Vec<(String, String)>)> = due
+                .into_iter()
+                .map(|ep| {
+                    let headers = e
+                        .scrape_headers(ep)
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect();
+                    (ep, headers)
+                })
+                .collect();
+            let scrape = &e.config().scrape;
+            (scrape.cluster.clone(), scrape.timeout_ms, jobs)
+        };
+        for (endpoint, headers) in jobs {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let sent = proxy_wasm::hostcalls::dispatch_http_call(
+                &cluster,
+                headers,
+                None,
+                vec![],
+                Duration::from_millis(timeout),
+            );
+            let Ok(mut e) = engine.try_borrow_mut() else {
+                continue;
+            };
+            match sent {
+                Ok(token) => e.scrape_sent(token, endpoint, now),
+                Err(status) => {
+                    e.scrape_not_sent(endpoint);
+                    if !self.dispatch_warned {
+                        self.dispatch_warned = true;
+                        host::warn(&format!(
+                            "prefixroute: cannot send scrape callouts through cluster {cluster:?} \
+                             (status {status:?}): does the cluster exist in Envoy's configuration?"
+                        ));
+                    }
+                }
+            }
+        }
+        if let Ok(mut e) = engine.try_borrow_mut() {
+            flush(&mut e, &self.metrics);
+        }
+    }
+}
+
+impl Context for PluginRoot {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(engine) = self.engine.clone() else {
+            return;
+        };
+        // No headers at all: Envoy reports a reset or connection failure this way.
+        let status = if num_headers == 0 {
+            None
+        } else {
+            abi::get_header_string(abi::CALL_RESPONSE_HEADERS, ":status")
+                .ok()
+                .flatten()
+                .and_then(|s| s.trim().parse::<u32>().ok())
+        };
+        let body = if body_size == 0 {
+            Vec::new()
+        } else {
+            abi::get_buffer(abi::CALL_RESPONSE_BODY, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
+        let Ok(mut e) = engine.try_borrow_mut() else {
+            return;
+        };
+        let now = abi::now_ms();
+        if let Some((endpoint, t)) = e.scrape_done(token_id, status, &body, now) {
+            let who = format!("{} ({})", e.name(endpoint), e.address(endpoint));
+            if t.went_down {
+                host::warn(&format!(
+                    "prefixroute: endpoint {who} is down after {} failed scrapes; routing around it",
+                    e.config().scrape.failures_to_down
+                ));
+            }
+            if t.came_up {
+                host::info(&format!(
+                    "prefixroute: endpoint {who} answers again; its prefix index was reset"
+                ));
+            } else if t.forgot {
+                host::info(&format!(
+                    "prefixroute: endpoint {who} restarted (prefix-cache counters went back); \
+                     its prefix index was reset"
+                ));
+            }
+        }
+        flush(&mut e, &self.metrics);
+    }
+}
+
+impl RootContext for PluginRoot {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let raw = abi::get_buffer(abi::PLUGIN_CONFIGURATION, 0, plugin_configuration_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let config = match load_config(&raw) {
+            Ok(c) => c,
+            Err(err) => {
+                host::error(&format!("prefixroute: invalid configuration: {err}"));
+                return false;
+            }
+        };
+        let engine = Engine::new(HostShared, config);
+        let tick = engine.tick_ms();
+        if abi::set_tick_period_ms(u32::try_from(tick).unwrap_or(u32::MAX)).is_err() {
+            host::warn("prefixroute: the host refused a tick period; metrics will not be scraped");
+        }
+        let c = engine.config();
+        host::info(&format!(
+            "prefixroute: {} endpoints, policy {}, destination header {}, scrape {} every {} ms \
+             via cluster {:?} (tick {} ms, index table 2^{} buckets)",
+            c.endpoints.len(),
+            c.policy,
+            c.destination_header,
+            c.scrape.path,
+            c.scrape.interval_ms,
+            c.scrape.cluster,
+            tick,
+            engine.table_bits(),
+        ));
+        self.engine = Some(Rc::new(RefCell::new(engine)));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(engine) = self.engine.clone() {
+            self.scrape(&engine, abi::now_ms());
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Never None: the SDK panics on None.
+        Some(Box::new(Filter::new(
+            self.engine.clone(),
+            self.metrics.clone(),
+        )))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

@@ -1,0 +1,152 @@
+//! Plugin configuration as Envoy hands it over, and the timings derived from it.
+
+use crate::pbstruct::decode_struct;
+use prefixroute_core::config::{ConfigError, PluginConfig};
+use serde_json::{Number, Value};
+
+/// Parses the filter's `configuration`.
+///
+/// Envoy passes a `google.protobuf.StringValue` (or `BytesValue`) as its raw bytes, and any
+/// other message, e.g. a `google.protobuf.Struct`, as its binary protobuf serialisation: JSON
+/// text is parsed as JSON, anything else is decoded as a Struct. A Struct has only doubles, so
+/// integer fields arrive as `1000.0`; those are turned back into integers before core's strict
+/// validation. A JSON *string* holding the configuration (double-encoded) is unwrapped.
+pub fn load_config(raw: &[u8]) -> Result<PluginConfig, ConfigError> {
+    let mut value = match serde_json::from_slice::<Value>(raw) {
+        Ok(v) => v,
+        Err(json_error) => match decode_struct(raw) {
+            Some(v) => v,
+            None => return Err(ConfigError::Json(json_error.to_string())),
+        },
+    };
+    if let Value::String(inner) = &value {
+        value = serde_json::from_str(inner).map_err(|e| ConfigError::Json(e.to_string()))?;
+    }
+    integral_floats_to_integers(&mut value);
+    let bytes = serde_json::to_vec(&value).map_err(|e| ConfigError::Json(e.to_string()))?;
+    PluginConfig::from_json(&bytes)
+}
+
+fn integral_floats_to_integers(value: &mut Value) {
+    match value {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|_| n.is_f64()) {
+                if f.fract() == 0.0 && f.abs() < 9.007_199_254_740_992e15 {
+                    *n = if f >= 0.0 {
+                        Number::from(f as u64)
+                    } else {
+                        Number::from(f as i64)
+                    };
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integral_floats_to_integers),
+        Value::Object(map) => map.values_mut().for_each(integral_floats_to_integers),
+        _ => {}
+    }
+}
+
+/// The root contexts' tick: a quarter of the scrape interval (so a scrape starts at most a
+/// quarter interval late), between 10 ms and 1 s (the heartbeat of in-flight counts).
+pub fn tick_ms(interval_ms: u64) -> u64 {
+    (interval_ms / 4).clamp(10, 1000)
+}
+
+/// After this long without a heartbeat an instance's in-flight counts are ignored and it is
+/// reaped: many ticks, so a busy worker is not mistaken for a dead one.
+pub fn instance_stale_ms(tick_ms: u64) -> u64 {
+    (tick_ms * 8).max(3000)
+}
+
+/// The OpenAI endpoints whose bodies the router scores: POST `/v1/chat/completions` and
+/// `/v1/completions` (any query string).
+pub fn is_routable(method: &str, path: &str) -> bool {
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    method.eq_ignore_ascii_case("POST")
+        && matches!(path, "/v1/chat/completions" | "/v1/completions")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_style_doubles_are_accepted() {
+        let c = load_config(
+            br#"{"endpoints":[{"name":"a","address":"127.0.0.1:8001"}],
+                 "block_size":16.0,"scrape":{"interval_ms":1000.0,"timeout_ms":500,"stale_after_ms":5e3},
+                 "weights":{"prefix":3.5},"seed":7.0}"#,
+        )
+        .unwrap();
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.scrape.stale_after_ms, 5000);
+        assert_eq!(c.weights.prefix, 3.5);
+        assert_eq!(c.seed, 7);
+    }
+
+    #[test]
+    fn binary_struct_configuration_is_decoded() {
+        let config = serde_json::json!({
+            "endpoints": [{"name": "a", "address": "127.0.0.1:8001"}],
+            "policy": "least-queue",
+            "block_size": 32.0,
+            "scrape": {"interval_ms": 250.0, "timeout_ms": 100.0, "stale_after_ms": 1000.0}
+        });
+        let bytes = crate::pbstruct::tests::encode_struct(&config);
+        let c = load_config(&bytes).unwrap();
+        assert_eq!((c.block_size, c.scrape.interval_ms), (32, 250));
+        assert_eq!(c.policy, prefixroute_core::Policy::LeastQueue);
+    }
+
+    #[test]
+    fn double_encoded_string_is_unwrapped() {
+        let inner = r#"{"endpoints":[{"name":"a","address":"127.0.0.1:8001"}]}"#;
+        let outer = serde_json::to_vec(&Value::String(inner.into())).unwrap();
+        assert_eq!(load_config(&outer).unwrap().endpoints.len(), 1);
+    }
+
+    #[test]
+    fn errors_are_core_messages() {
+        let err = load_config(br#"{"endpoints":[{"name":"a","address":"x"}]}"#).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"endpoints[0].address "x" is not ip:port"#
+        );
+        let err = load_config(b"not json").unwrap_err();
+        assert!(
+            err.to_string().starts_with("invalid configuration JSON"),
+            "{err}"
+        );
+        // No configuration at all decodes as an empty Struct.
+        let err = load_config(b"").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "endpoints: at least one endpoint is required"
+        );
+        // A fractional value for an integer field is still refused.
+        let err = load_config(
+            br#"{"endpoints":[{"name":"a","address":"127.0.0.1:1"}],"block_size":16.5}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("block_size") || err.to_string().contains("16.5"));
+    }
+
+    #[test]
+    fn timings() {
+        assert_eq!(tick_ms(1000), 250);
+        assert_eq!(tick_ms(10), 10);
+        assert_eq!(tick_ms(60_000), 1000);
+        assert_eq!(instance_stale_ms(250), 3000);
+        assert_eq!(instance_stale_ms(1000), 8000);
+    }
+
+    #[test]
+    fn routable_requests() {
+        assert!(is_routable("POST", "/v1/chat/completions"));
+        assert!(is_routable("post", "/v1/completions?x=1"));
+        assert!(!is_routable("GET", "/v1/chat/completions"));
+        assert!(!is_routable("POST", "/v1/models"));
+        assert!(!is_routable("POST", "/v1/chat/completions/extra"));
+        assert!(!is_routable("POST", ""));
+    }
+}

@@ -1,0 +1,670 @@
+//! The prefix index in shared data: core's [`PrefixStore`] over proxy-wasm shared data, so that
+//! every Envoy worker routes on the same belief.
+//!
+//! # Layout
+//! * Each endpoint has an *insertion clock* (in its `prefixroute/ep/<ip:port>` record). Recording
+//!   blocks on an endpoint reserves stamps from its clock with one CAS.
+//! * Block hashes live in a fixed table of `2^bits` buckets (`prefixroute/ix/<bits>/<n>`,
+//!   bucket = low bits of the hash), each holding up to [`WAYS`] entries `hash → [(endpoint id,
+//!   stamp)]`. The table is sized from `endpoints × capacity`, so the key count is bounded and
+//!   never grows with traffic (shared data cannot delete keys).
+//! * Endpoint `e` holds block `h` iff `clock(e) − stamp(h, e) < capacity`: the last `capacity`
+//!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
+//!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
+//!   with one write.
+//! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
+//!   prefixes (the shared system prompt) cost reads only, and the clock advances roughly with
+//!   *distinct* blocks, which is what an LRU's capacity counts.
+//!
+//! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
+//! core [`prefixroute_core::PrefixIndex`]'s answers; beyond that it is an approximate LRU (a
+//! re-used block survives as long as it is re-used within ~¾ of the capacity).
+//!
+//! Reads are cached for one request (the router asks every endpoint about every block), so a
+//! request costs one `get` per bucket it touches, and the CAS writes reuse the tokens of those
+//! reads.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use prefixroute_core::PrefixStore;
+
+use crate::codec::{Bucket, EndpointState, Entry, Holder};
+use crate::shared::{bucket_key, endpoint_key, SetError, SharedData};
+
+/// Entries per bucket. With the table sized for half load, a bucket overflows rarely
+/// (Poisson(4) > 8 ≈ 2%), and a bucket value stays ~200 bytes to copy.
+pub const WAYS: usize = 8;
+/// Endpoints remembered per block; more only when many endpoints share one prefix.
+pub const MAX_HOLDERS: usize = 16;
+pub const MIN_TABLE_BITS: u32 = 8;
+pub const MAX_TABLE_BITS: u32 = 18;
+/// CAS attempts per write before giving up (and counting it).
+pub const CAS_ATTEMPTS: u32 = 8;
+
+/// log2 of the bucket count: room for every endpoint's full capacity at half load.
+pub fn table_bits(endpoints: usize, capacity_blocks: usize) -> u32 {
+    let blocks = (endpoints.max(1) as u128) * (capacity_blocks.max(1) as u128);
+    let buckets = blocks.div_ceil(WAYS as u128 / 2).max(1);
+    let bits = 128 - (buckets - 1).leading_zeros();
+    bits.clamp(MIN_TABLE_BITS, MAX_TABLE_BITS)
+}
+
+/// Is a stamp still within the endpoint's last `capacity` stamps? A stamp newer than the clock
+/// we read (another worker reserved it after our read) counts as fresh.
+pub fn held(clock: u64, stamp: u64, capacity: u64) -> bool {
+    clock.saturating_sub(stamp) < capacity
+}
+
+/// How much a holder is worth keeping when a bucket must shed something.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Freshness {
+    /// A configured endpoint's holder, with the fraction of its capacity window left (0..=1].
+    Live(f64),
+    /// Aged out of a configured endpoint's window: can be dropped at once.
+    Expired,
+    /// An endpoint this configuration does not know (another configuration sharing the
+    /// `vm_id`, or a removed endpoint): kept while there is room.
+    Foreign,
+}
+
+fn keep_score(f: Freshness) -> f64 {
+    match f {
+        Freshness::Live(x) => x,
+        Freshness::Foreign => 0.0,
+        Freshness::Expired => -1.0,
+    }
+}
+
+/// Applies `updates` (block hash, stamp) for `endpoint` to a bucket: drops expired holders,
+/// upserts, then sheds the least fresh holders/entries beyond the limits. Pure, so it is tested
+/// on its own.
+pub fn apply_updates(
+    bucket: &mut Bucket,
+    endpoint: u64,
+    updates: &[(u64, u64)],
+    ways: usize,
+    freshness: &dyn Fn(u64, u64) -> Freshness,
+) {
+    for entry in &mut bucket.entries {
+        entry
+            .holders
+            .retain(|h| freshness(h.endpoint, h.stamp) != Freshness::Expired);
+    }
+    for &(hash, stamp) in updates {
+        match bucket.entries.iter_mut().find(|e| e.hash == hash) {
+            Some(entry) => match entry.holders.iter_mut().find(|h| h.endpoint == endpoint) {
+                Some(h) => h.stamp = h.stamp.max(stamp),
+                None => entry.holders.push(Holder { endpoint, stamp }),
+            },
+            None => bucket.entries.push(Entry {
+                hash,
+                holders: vec![Holder { endpoint, stamp }],
+            }),
+        }
+    }
+    bucket.entries.retain(|e| !e.holders.is_empty());
+    for entry in &mut bucket.entries {
+        if entry.holders.len() > MAX_HOLDERS {
+            // Stable sort: among equals the earlier (older) holder goes first.
+            entry.holders.sort_by(|a, b| {
+                let (fa, fb) = (
+                    keep_score(freshness(a.endpoint, a.stamp)),
+                    keep_score(freshness(b.endpoint, b.stamp)),
+                );
+                fb.total_cmp(&fa)
+            });
+            entry.holders.truncate(MAX_HOLDERS);
+        }
+    }
+    while bucket.entries.len() > ways.max(1) {
+        let score = |e: &Entry| {
+            e.holders
+                .iter()
+                .map(|h| keep_score(freshness(h.endpoint, h.stamp)))
+                .fold(f64::NEG_INFINITY, f64::max)
+        };
+        // The least fresh entry goes; on ties the oldest (first) one.
+        let victim = (0..bucket.entries.len())
+            .min_by(|&a, &b| {
+                score(&bucket.entries[a])
+                    .total_cmp(&score(&bucket.entries[b]))
+                    .then(a.cmp(&b))
+            })
+            .unwrap_or(0);
+        bucket.entries.remove(victim);
+    }
+}
+
+/// Counters a request's store operations produced, drained by the engine into metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    pub cas_give_ups: u32,
+    pub host_errors: u32,
+}
+
+/// A cached value with what we know of its CAS token.
+#[derive(Debug, Clone)]
+struct Slot<T> {
+    value: T,
+    /// `Some(0)`: the key did not exist (write unconditionally); `Some(c)`: token of our read;
+    /// `None`: we wrote it since and do not know the new token (re-read before a CAS write).
+    cas: Option<u32>,
+}
+
+/// Per-request read cache.
+#[derive(Debug, Default)]
+struct Cache {
+    states: BTreeMap<usize, Slot<EndpointState>>,
+    buckets: BTreeMap<u64, Slot<Bucket>>,
+    stats: StoreStats,
+}
+
+/// [`PrefixStore`] over shared data (see the module docs).
+#[derive(Debug)]
+pub struct SharedIndex<H: SharedData> {
+    host: H,
+    /// Endpoint ids (xxh64 of `ip:port`), by endpoint index.
+    ids: Vec<u64>,
+    /// (id, index) sorted by id, to resolve holders.
+    by_id: Vec<(u64, usize)>,
+    state_keys: Vec<String>,
+    capacity: u64,
+    refresh_after: u64,
+    bits: u32,
+    cache: RefCell<Cache>,
+}
+
+/// Stable id of an endpoint address in shared values: beliefs follow the address across
+/// reconfigurations that reorder, add or remove endpoints.
+pub fn endpoint_id(address: &str) -> u64 {
+    xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
+}
+
+impl<H: SharedData> SharedIndex<H> {
+    pub fn new(host: H, addresses: &[String], capacity_blocks: usize) -> Self {
+        let ids: Vec<u64> = addresses.iter().map(|a| endpoint_id(a)).collect();
+        let mut by_id: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
+        by_id.sort_unstable();
+        let capacity = capacity_blocks.max(1) as u64;
+        SharedIndex {
+            host,
+            state_keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
+            by_id,
+            ids,
+            capacity,
+            refresh_after: (capacity / 4).max(1),
+            bits: table_bits(addresses.len(), capacity_blocks),
+            cache: RefCell::new(Cache::default()),
+        }
+    }
+
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
+    pub fn table_bits(&self) -> u32 {
+        self.bits
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Forget cached reads: call before each request so it sees other workers' writes.
+    pub fn begin_request(&mut self) {
+        let cache = self.cache.get_mut();
+        cache.states.clear();
+        cache.buckets.clear();
+    }
+
+    /// Drops the request's cache and returns the counters it produced.
+    pub fn end_request(&mut self) -> StoreStats {
+        let cache = self.cache.get_mut();
+        cache.states.clear();
+        cache.buckets.clear();
+        std::mem::take(&mut cache.stats)
+    }
+
+    /// The endpoint's shared record as read during this request (loaded on first use;
+    /// missing or unreadable = default).
+    pub fn endpoint_state(&self, endpoint: usize) -> EndpointState {
+        self.load_state(endpoint)
+            .map(|s| s.value)
+            .unwrap_or_default()
+    }
+
+    fn bucket_of(&self, hash: u64) -> u64 {
+        hash & ((1u64 << self.bits) - 1)
+    }
+
+    fn note_host_error(&self) {
+        self.cache.borrow_mut().stats.host_errors += 1;
+    }
+
+    fn load_state(&self, endpoint: usize) -> Option<Slot<EndpointState>> {
+        let key = self.state_keys.get(endpoint)?;
+        if let Some(slot) = self.cache.borrow().states.get(&endpoint) {
+            if slot.cas.is_some() {
+                return Some(slot.clone());
+            }
+        }
+        let slot = match self.host.get(key) {
+            Ok(Some((bytes, cas))) => Slot {
+                value: EndpointState::decode(&bytes).unwrap_or_default(),
+                cas: Some(cas),
+            },
+            Ok(None) => Slot {
+                value: EndpointState::default(),
+                cas: Some(0),
+            },
+            Err(_) => {
+                self.note_host_error();
+                return None;
+            }
+        };
+        self.cache
+            .borrow_mut()
+            .states
+            .insert(endpoint, slot.clone());
+        Some(slot)
+    }
+
+    /// The endpoint's clock without forcing a re-read after our own write.
+    fn clock(&self, endpoint: usize) -> u64 {
+        if let Some(slot) = self.cache.borrow().states.get(&endpoint) {
+            return slot.value.clock;
+        }
+        self.load_state(endpoint).map_or(0, |s| s.value.clock)
+    }
+
+    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Option<Slot<Bucket>> {
+        if let Some(slot) = self.cache.borrow().buckets.get(&bucket) {
+            if !fresh_cas || slot.cas.is_some() {
+                return Some(slot.clone());
+            }
+        }
+        let slot = match self.host.get(&bucket_key(self.bits, bucket)) {
+            Ok(Some((bytes, cas))) => Slot {
+                value: Bucket::decode(&bytes).unwrap_or_default(),
+                cas: Some(cas),
+            },
+            Ok(None) => Slot {
+                value: Bucket::default(),
+                cas: Some(0),
+            },
+            Err(_) => {
+                self.note_host_error();
+                return None;
+            }
+        };
+        self.cache.borrow_mut().buckets.insert(bucket, slot.clone());
+        Some(slot)
+    }
+
+    fn stamp(&self, hash: u64, endpoint_id: u64) -> Option<u64> {
+        let bucket = self.bucket_of(hash);
+        if let Some(slot) = self.cache.borrow().buckets.get(&bucket) {
+            return slot.value.stamp(hash, endpoint_id);
+        }
+        self.load_bucket(bucket, false)?
+            .value
+            .stamp(hash, endpoint_id)
+    }
+
+    fn freshness(&self, endpoint_id: u64, stamp: u64) -> Freshness {
+        match self.by_id.binary_search_by_key(&endpoint_id, |&(id, _)| id) {
+            Err(_) => Freshness::Foreign,
+            Ok(pos) => {
+                let clock = self.clock(self.by_id[pos].1);
+                let age = clock.saturating_sub(stamp);
+                if age >= self.capacity {
+                    Freshness::Expired
+                } else {
+                    Freshness::Live(1.0 - age as f64 / self.capacity as f64)
+                }
+            }
+        }
+    }
+
+    /// Advances `endpoint`'s clock by `n` with a CAS; returns the new clock, or `None` when the
+    /// write failed (counted).
+    fn advance_clock(&self, endpoint: usize, n: u64) -> Option<u64> {
+        let key = self.state_keys.get(endpoint)?;
+        for _ in 0..CAS_ATTEMPTS {
+            let slot = self.load_state(endpoint)?;
+            let mut next = slot.value;
+            next.clock = next.clock.saturating_add(n);
+            match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
+                Ok(()) => {
+                    let clock = next.clock;
+                    self.cache.borrow_mut().states.insert(
+                        endpoint,
+                        Slot {
+                            value: next,
+                            cas: None,
+                        },
+                    );
+                    return Some(clock);
+                }
+                Err(SetError::CasMismatch) => {
+                    self.cache.borrow_mut().states.remove(&endpoint);
+                }
+                Err(SetError::Host(_)) => {
+                    self.note_host_error();
+                    return None;
+                }
+            }
+        }
+        self.cache.borrow_mut().stats.cas_give_ups += 1;
+        None
+    }
+
+    fn write_bucket(&self, bucket: u64, endpoint_id: u64, updates: &[(u64, u64)]) {
+        let key = bucket_key(self.bits, bucket);
+        for _ in 0..CAS_ATTEMPTS {
+            let Some(slot) = self.load_bucket(bucket, true) else {
+                return;
+            };
+            let mut next = slot.value;
+            apply_updates(&mut next, endpoint_id, updates, WAYS, &|id, stamp| {
+                self.freshness(id, stamp)
+            });
+            match self.host.set(&key, &next.encode(), slot.cas.unwrap_or(0)) {
+                Ok(()) => {
+                    self.cache.borrow_mut().buckets.insert(
+                        bucket,
+                        Slot {
+                            value: next,
+                            cas: None,
+                        },
+                    );
+                    return;
+                }
+                Err(SetError::CasMismatch) => {
+                    self.cache.borrow_mut().buckets.remove(&bucket);
+                }
+                Err(SetError::Host(_)) => {
+                    self.note_host_error();
+                    return;
+                }
+            }
+        }
+        self.cache.borrow_mut().stats.cas_give_ups += 1;
+    }
+}
+
+impl<H: SharedData> PrefixStore for SharedIndex<H> {
+    fn longest_match(&self, endpoint: usize, chain: &[u64]) -> usize {
+        let Some(&id) = self.ids.get(endpoint) else {
+            return 0;
+        };
+        let clock = self.clock(endpoint);
+        chain
+            .iter()
+            .take_while(|&&hash| {
+                self.stamp(hash, id)
+                    .is_some_and(|s| held(clock, s, self.capacity))
+            })
+            .count()
+    }
+
+    fn record(&mut self, endpoint: usize, chain: &[u64]) {
+        let Some(&id) = self.ids.get(endpoint) else {
+            return;
+        };
+        let clock = self.clock(endpoint);
+        // Blocks that need a new stamp: not held, or held but old enough to refresh.
+        let stale: Vec<u64> = chain
+            .iter()
+            .copied()
+            .filter(|&hash| {
+                self.stamp(hash, id)
+                    .map_or(true, |s| clock.saturating_sub(s) >= self.refresh_after)
+            })
+            .collect();
+        if stale.is_empty() {
+            return;
+        }
+        let n = stale.len() as u64;
+        let Some(new_clock) = self.advance_clock(endpoint, n) else {
+            return;
+        };
+        // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
+        // window slides the tail of a prompt ages out before its shared head (as in core).
+        let mut by_bucket: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+        for (k, &hash) in stale.iter().enumerate() {
+            let stamp = new_clock - k as u64;
+            by_bucket
+                .entry(self.bucket_of(hash))
+                .or_default()
+                .push((hash, stamp));
+        }
+        for (bucket, updates) in by_bucket {
+            self.write_bucket(bucket, id, &updates);
+        }
+    }
+
+    fn forget_endpoint(&mut self, endpoint: usize) {
+        self.advance_clock(endpoint, self.capacity);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::MemShared;
+    use prefixroute_core::PrefixIndex;
+
+    fn addrs(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect()
+    }
+
+    #[test]
+    fn table_is_sized_for_half_load_and_clamped() {
+        // 8 × 31,250 blocks at 4 per bucket = 62,500 buckets → 2^16.
+        assert_eq!(table_bits(8, 31_250), 16);
+        assert_eq!(table_bits(1, 10), MIN_TABLE_BITS);
+        assert_eq!(table_bits(1024, usize::MAX), MAX_TABLE_BITS);
+        assert_eq!(table_bits(1, 1 << 12), 10);
+    }
+
+    #[test]
+    fn held_window_and_future_stamps() {
+        assert!(held(10, 1, 10));
+        assert!(!held(11, 1, 10));
+        assert!(held(3, 9, 10), "a stamp newer than our clock read is fresh");
+    }
+
+    #[test]
+    fn apply_updates_upserts_drops_expired_and_sheds_least_fresh() {
+        let mut b = Bucket::default();
+        let f = |_: u64, stamp: u64| {
+            if stamp == 0 {
+                Freshness::Expired
+            } else if stamp == 1 {
+                Freshness::Foreign
+            } else {
+                Freshness::Live(stamp as f64 / 100.0)
+            }
+        };
+        apply_updates(&mut b, 5, &[(1, 50), (2, 60)], 3, &f);
+        apply_updates(&mut b, 6, &[(1, 70)], 3, &f);
+        assert_eq!(b.stamp(1, 5), Some(50));
+        assert_eq!(b.stamp(1, 6), Some(70));
+        // Re-recording keeps the newer stamp.
+        apply_updates(&mut b, 5, &[(1, 40)], 3, &f);
+        assert_eq!(b.stamp(1, 5), Some(50));
+        // Expired holders vanish; an entry with no holder left is dropped.
+        b.entries.push(Entry {
+            hash: 9,
+            holders: vec![Holder {
+                endpoint: 7,
+                stamp: 0,
+            }],
+        });
+        apply_updates(&mut b, 5, &[], 3, &f);
+        assert!(b.find(9).is_none());
+        // Over capacity: the least fresh entry (foreign-only) goes first, then the stalest.
+        b.entries.push(Entry {
+            hash: 10,
+            holders: vec![Holder {
+                endpoint: 8,
+                stamp: 1,
+            }],
+        });
+        apply_updates(&mut b, 5, &[(3, 90)], 3, &f);
+        assert_eq!(b.entries.len(), 3);
+        assert!(b.find(10).is_none(), "foreign-only entry shed first");
+        apply_updates(&mut b, 5, &[(4, 95)], 3, &f);
+        assert!(b.find(2).is_none(), "stalest live entry (60) shed next");
+        assert!(b.find(1).is_some() && b.find(3).is_some() && b.find(4).is_some());
+    }
+
+    #[test]
+    fn holders_per_entry_are_capped_keeping_the_freshest() {
+        let mut b = Bucket::default();
+        let f = |_: u64, stamp: u64| Freshness::Live(stamp as f64 / 1000.0);
+        for e in 0..(MAX_HOLDERS as u64 + 4) {
+            apply_updates(&mut b, e, &[(1, 100 + e)], WAYS, &f);
+        }
+        let holders = &b.find(1).unwrap().holders;
+        assert_eq!(holders.len(), MAX_HOLDERS);
+        assert!(holders.iter().all(|h| h.stamp >= 104));
+    }
+
+    #[test]
+    fn matches_core_index_below_capacity() {
+        let host = MemShared::new();
+        let a = addrs(3);
+        let mut shared = SharedIndex::new(host, &a, 1000);
+        let mut core = PrefixIndex::new(3, 1000);
+        let chains: Vec<(usize, Vec<u64>)> = vec![
+            (0, vec![1, 2, 3, 4]),
+            (1, vec![1, 2, 9]),
+            (0, vec![1, 2, 3, 5, 6]),
+            (2, vec![7]),
+            (1, vec![1, 2, 3, 4]),
+        ];
+        for (e, chain) in &chains {
+            shared.begin_request();
+            shared.record(*e, chain);
+            core.record(*e, chain);
+            shared.end_request();
+        }
+        let probes = [
+            vec![1, 2, 3, 4, 8],
+            vec![1, 2, 9],
+            vec![7, 1],
+            vec![3],
+            vec![1, 2, 3, 5, 6, 7],
+        ];
+        shared.begin_request();
+        for e in 0..3 {
+            for p in &probes {
+                assert_eq!(
+                    shared.longest_match(e, p),
+                    core.longest_match(e, p),
+                    "endpoint {e} probe {p:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn two_workers_share_one_belief() {
+        let host = MemShared::new();
+        let a = addrs(2);
+        let mut w1 = SharedIndex::new(host.clone(), &a, 100);
+        let mut w2 = SharedIndex::new(host.clone(), &a, 100);
+        w1.begin_request();
+        w1.record(1, &[10, 11, 12]);
+        assert_eq!(w1.end_request(), StoreStats::default());
+        w2.begin_request();
+        assert_eq!(w2.longest_match(1, &[10, 11, 12, 13]), 3);
+        assert_eq!(w2.longest_match(0, &[10, 11]), 0);
+        w2.forget_endpoint(1);
+        w2.end_request();
+        w1.begin_request();
+        assert_eq!(w1.longest_match(1, &[10]), 0, "forgotten on every worker");
+    }
+
+    #[test]
+    fn capacity_ages_out_least_recent_tails_first() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host, &addrs(1), 4);
+        s.begin_request();
+        s.record(0, &[1, 2, 3]);
+        s.record(0, &[10, 11]);
+        // 5 stamps into a window of 4: the oldest recording's tail (3) ages out, its head stays.
+        assert_eq!(s.longest_match(0, &[1, 2, 3]), 2);
+        assert_eq!(s.longest_match(0, &[10, 11]), 2);
+        s.end_request();
+    }
+
+    #[test]
+    fn hot_prefix_is_not_rewritten_every_request() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(2), 1000);
+        let chain: Vec<u64> = (100..140).collect();
+        s.begin_request();
+        s.record(0, &chain);
+        s.end_request();
+        let (_, sets_before) = host.calls();
+        for _ in 0..10 {
+            s.begin_request();
+            assert_eq!(s.longest_match(0, &chain), 40);
+            s.record(0, &chain);
+            s.end_request();
+        }
+        assert_eq!(
+            host.calls().1,
+            sets_before,
+            "no writes for a fresh hot prefix"
+        );
+    }
+
+    #[test]
+    fn cas_races_retry_and_give_up_is_counted() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(1), 100);
+        s.begin_request();
+        s.longest_match(0, &[1, 2]);
+        host.force_mismatches(3);
+        s.record(0, &[1, 2]);
+        assert_eq!(s.end_request(), StoreStats::default());
+        s.begin_request();
+        assert_eq!(s.longest_match(0, &[1, 2]), 2, "written after retries");
+        host.force_mismatches(CAS_ATTEMPTS);
+        s.record(0, &[3]);
+        assert_eq!(s.end_request().cas_give_ups, 1);
+    }
+
+    #[test]
+    fn foreign_configuration_entries_survive_and_are_not_matched() {
+        let host = MemShared::new();
+        let mut other = SharedIndex::new(host.clone(), &["10.9.9.9:1".to_string()], 100);
+        other.begin_request();
+        other.record(0, &[42]);
+        other.end_request();
+        let mut mine = SharedIndex::new(host.clone(), &addrs(1), 100);
+        mine.begin_request();
+        assert_eq!(mine.longest_match(0, &[42]), 0);
+        mine.record(0, &[42]);
+        mine.end_request();
+        other.begin_request();
+        assert_eq!(other.longest_match(0, &[42]), 1, "its belief was kept");
+    }
+
+    #[test]
+    fn corrupt_values_read_as_empty() {
+        let host = MemShared::new();
+        let s = SharedIndex::new(host.clone(), &addrs(1), 100);
+        host.set(&endpoint_key("127.0.0.1:9000"), b"\xff\x00", 0)
+            .unwrap();
+        host.set(&bucket_key(s.table_bits(), 1), b"junk", 0)
+            .unwrap();
+        assert_eq!(s.endpoint_state(0), EndpointState::default());
+        assert_eq!(s.longest_match(0, &[1]), 0);
+    }
+}
