@@ -302,3 +302,71 @@ fn a_client_supplied_destination_header_is_overwritten() {
     // Twelve tenants spread over both replicas despite every client naming replica-0.
     assert_eq!(served.len(), 2, "{served:?}");
 }
+
+fn envoy_validates(config: &std::path::Path) {
+    let envoy = std::env::var("ENVOY")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/envoy").to_string());
+    let out = Command::new(envoy)
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(config)
+        .output()
+        .expect("run envoy --mode validate");
+    assert!(
+        out.status.success(),
+        "{} rejected:\n{}",
+        config.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn plugin_wasm() -> String {
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target").to_string());
+    format!("{target}/wasm32-wasip1/release/prefixroute_plugin.wasm")
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn the_reference_config_and_every_serve_config_pass_envoy_validation() {
+    let wasm = plugin_wasm();
+    let reference =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/envoy.yaml"))
+            .unwrap();
+    let path = temp("reference-envoy.yaml");
+    std::fs::write(&path, reference.replace("@WASM@", &wasm)).unwrap();
+    envoy_validates(&path);
+    for policy in [
+        "prefix",
+        "prefix-only",
+        "least-queue",
+        "random",
+        "round-robin",
+        "least-request",
+    ] {
+        let out = Command::new(BIN)
+            .args([
+                "serve",
+                "--policy",
+                policy,
+                "--plugin-wasm",
+                &wasm,
+                "--print-config",
+            ])
+            .args([
+                "--endpoint",
+                "a=http://127.0.0.1:18001",
+                "--endpoint",
+                "b=http://[::1]:18002",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = temp(&format!("serve-{policy}.yaml"));
+        std::fs::write(&path, &out.stdout).unwrap();
+        envoy_validates(&path);
+    }
+}
