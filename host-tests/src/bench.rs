@@ -1,0 +1,221 @@
+//! The cost benchmark: instructions and host calls per routed request, by prompt size, cache
+//! state and endpoint count. Counts, not timings: they are exact and repeat run to run, so they
+//! serve as a regression budget. Run by `cargo bench -p host-tests` and, without building
+//! wasmtime under the release profile, by `cargo run -p host-tests --example costs`.
+
+use serde_json::json;
+
+use crate::{CalloutReply, ContextCosts, Costs, Host, Request, Vm};
+
+/// One measured request.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub endpoints: usize,
+    pub target_tokens: usize,
+    /// Tokens and blocks as core counts them for this body.
+    pub tokens: usize,
+    pub blocks: usize,
+    pub warm: bool,
+    /// `x-prefixroute-match` of the request.
+    pub matched: String,
+    pub body_bytes: usize,
+    pub costs: ContextCosts,
+}
+
+/// Costs of the root context's periodic work.
+#[derive(Debug, Clone)]
+pub struct TickRow {
+    pub endpoints: usize,
+    /// A tick that claims and sends every endpoint's scrape.
+    pub scrape_tick: Costs,
+    /// A tick with nothing due (heartbeat and gauges only).
+    pub idle_tick: Costs,
+    /// One scrape response (`proxy_on_http_call_response` with a vLLM page).
+    pub response: Costs,
+}
+
+pub const ENDPOINTS: [usize; 3] = [3, 16, 64];
+pub const TOKENS: [usize; 3] = [1024, 4096, 16384];
+
+fn endpoint_config(n: usize) -> serde_json::Value {
+    let endpoints: Vec<_> = (0..n)
+        .map(|i| json!({"name": format!("r{i}"), "address": format!("10.2.{}.{}:8000", i / 200, i % 200 + 1)}))
+        .collect();
+    json!({"endpoints": endpoints, "block_size": 16, "seed": 1})
+}
+
+const PAGE: &str = "vllm:num_requests_waiting{model_name=\"m\"} 1\n\
+                    vllm:num_requests_running{model_name=\"m\"} 2\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n";
+
+fn scrape_all(vm: &mut Vm) -> wasmtime::Result<()> {
+    for c in vm.pending_callouts() {
+        vm.answer_callout(c.token, CalloutReply::ok(PAGE))?;
+    }
+    Ok(())
+}
+
+/// A chat body whose system prompt is `tokens` one-token words (less the chat markup),
+/// starting with the tenant's name so every tenant has its own chain.
+fn body(tenant: usize, tokens: usize, question: &str) -> Vec<u8> {
+    let words: Vec<String> = (0..tokens.saturating_sub(24))
+        .map(|i| format!("w{}", (i * 7 + tenant) % 97))
+        .collect();
+    let system = format!("tenant{tenant} {}", words.join(" "));
+    json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question}
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Measures every combination on a fresh host per endpoint count: the VM is configured and
+/// has scraped every endpoint once, then for each size a cold request (new tenant), and a warm
+/// one (same system prompt as a request sent just before, new question).
+pub fn run() -> wasmtime::Result<(Vec<Row>, Vec<TickRow>)> {
+    let mut rows = Vec::new();
+    let mut ticks = Vec::new();
+    for &n in &ENDPOINTS {
+        let host = Host::prefixroute()?;
+        let mut vm = host.configured_vm(endpoint_config(n).to_string().as_bytes())?;
+        let root = vm.root_context_id();
+        let before = vm.costs(root).total;
+        vm.tick()?;
+        let mut scrape_tick = vm.costs(root).total;
+        subtract(&mut scrape_tick, &before);
+        let before = vm.costs(root).total;
+        let token = vm.pending_callouts()[0].token;
+        vm.answer_callout(token, CalloutReply::ok(PAGE))?;
+        let mut response = vm.costs(root).total;
+        subtract(&mut response, &before);
+        scrape_all(&mut vm)?;
+        host.clock().advance_ms(250);
+        let before = vm.costs(root).total;
+        vm.tick()?;
+        let mut idle_tick = vm.costs(root).total;
+        subtract(&mut idle_tick, &before);
+        ticks.push(TickRow {
+            endpoints: n,
+            scrape_tick,
+            idle_tick,
+            response,
+        });
+        for (t, &tokens) in TOKENS.iter().enumerate() {
+            let cold_body = body(2 * t, tokens, "What changed in my last invoice?");
+            let cold = vm.round_trip(&Request::chat(cold_body.clone()))?;
+            rows.push(row(n, tokens, false, &cold_body, &cold));
+            // Another tenant: its first request warms the prefix, the second is measured.
+            vm.round_trip(&Request::chat(body(2 * t + 1, tokens, "first question")))?;
+            let warm_body = body(2 * t + 1, tokens, "What changed in my last invoice?");
+            let warm = vm.round_trip(&Request::chat(warm_body.clone()))?;
+            rows.push(row(n, tokens, true, &warm_body, &warm));
+        }
+        if let Some(why) = vm.trapped() {
+            wasmtime::bail!("the plugin trapped: {why}");
+        }
+    }
+    Ok((rows, ticks))
+}
+
+fn subtract(total: &mut Costs, before: &Costs) {
+    total.fuel -= before.fuel;
+    total.callbacks -= before.callbacks;
+    for (k, v) in &before.host_calls {
+        if let Some(n) = total.host_calls.get_mut(k) {
+            *n -= v;
+        }
+    }
+    total.host_calls.retain(|_, n| *n > 0);
+    total.bytes_in -= before.bytes_in;
+    total.bytes_out -= before.bytes_out;
+    total.shared_bytes_in -= before.shared_bytes_in;
+    total.shared_bytes_out -= before.shared_bytes_out;
+}
+
+fn row(n: usize, target: usize, warm: bool, body: &[u8], rt: &crate::RoundTrip) -> Row {
+    let parsed = prefixroute_core::parse_request(body).expect("benchmark bodies parse");
+    let hashes = prefixroute_core::hashing::hash_request(
+        &parsed,
+        prefixroute_core::HashConfig {
+            block_size: 16,
+            include_partial: true,
+        },
+    );
+    Row {
+        endpoints: n,
+        target_tokens: target,
+        tokens: hashes.total_tokens(),
+        blocks: hashes.total_blocks(),
+        warm,
+        matched: rt
+            .response_header("x-prefixroute-match")
+            .unwrap_or_default(),
+        body_bytes: body.len(),
+        costs: rt.costs.clone(),
+    }
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The tables as Markdown.
+pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
+    let mut out = String::new();
+    out += "Per routed request (all callbacks of its HTTP context: headers, body, response, log, done, delete):\n\n";
+    out += "| endpoints | prompt | tokens | blocks | cache | match | instructions | of which body phase | host calls | shared gets | shared sets | shared bytes in | shared bytes out | body bytes |\n";
+    out += "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for r in rows {
+        let t = &r.costs.total;
+        let body_fuel = r
+            .costs
+            .by_callback
+            .get("proxy_on_request_body")
+            .map_or(0, |c| c.fuel);
+        out += &format!(
+            "| {} | {}k | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.endpoints,
+            r.target_tokens / 1024,
+            r.tokens,
+            r.blocks,
+            if r.warm { "warm" } else { "cold" },
+            r.matched,
+            thousands(t.fuel),
+            thousands(body_fuel),
+            t.total_host_calls(),
+            t.calls("proxy_get_shared_data"),
+            t.calls("proxy_set_shared_data"),
+            thousands(t.shared_bytes_in),
+            thousands(t.shared_bytes_out),
+            thousands(r.body_bytes as u64),
+        );
+    }
+    out += "\nRoot context, per endpoint count:\n\n";
+    out += "| endpoints | tick that scrapes all: instructions / host calls | idle tick: instructions / host calls | one scrape response: instructions / host calls |\n";
+    out += "|---:|---:|---:|---:|\n";
+    for t in ticks {
+        out += &format!(
+            "| {} | {} / {} | {} / {} | {} / {} |\n",
+            t.endpoints,
+            thousands(t.scrape_tick.fuel),
+            t.scrape_tick.total_host_calls(),
+            thousands(t.idle_tick.fuel),
+            t.idle_tick.total_host_calls(),
+            thousands(t.response.fuel),
+            t.response.total_host_calls(),
+        );
+    }
+    out
+}

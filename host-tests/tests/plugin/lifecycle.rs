@@ -1,0 +1,217 @@
+//! Envoy's stream lifecycle as the plugin relies on it: pause in the headers, buffer the body,
+//! decide, continue; trailers; body limits; the response decoration; costs per request.
+
+use host_tests::{Action, Chunks, Headers, HostOptions, Request};
+use serde_json::json;
+
+use crate::common::{self, chat_body, config, destination, endpoint_of};
+
+#[test]
+fn headers_are_held_until_the_body_is_complete_and_leave_with_the_destination() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({})));
+    let body = chat_body(&common::tenant_prompt(1), "hello");
+    let id = vm.create_stream().unwrap();
+    let headers = Headers::from_pairs([
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "gw"),
+    ]);
+    assert_eq!(
+        vm.request_headers(id, headers, false).unwrap(),
+        Action::Pause
+    );
+    assert!(vm.stream(id).unwrap().upstream_headers.is_none());
+    let (a, b) = body.split_at(body.len() / 2);
+    assert_eq!(vm.request_body(id, a, false).unwrap(), Action::Pause);
+    assert!(
+        vm.stream(id).unwrap().upstream_headers.is_none(),
+        "still held"
+    );
+    assert_eq!(vm.request_body(id, b, true).unwrap(), Action::Continue);
+    let s = vm.stream(id).unwrap();
+    assert_eq!(
+        s.upstream_body, body,
+        "the whole body went upstream, unchanged"
+    );
+    assert!(s.upstream_complete && !s.stalled());
+    let dest = s
+        .upstream_headers
+        .as_ref()
+        .unwrap()
+        .get_str(common::DEST)
+        .unwrap();
+    endpoint_of(&dest);
+    // The header was written while the headers were held, never after they left.
+    assert!(vm
+        .capture()
+        .header_ops
+        .iter()
+        .all(|op| op.status == host_tests::Status::Ok));
+}
+
+#[test]
+fn without_allow_on_headers_stop_iteration_the_request_hangs() {
+    let host = common::host_with(HostOptions {
+        allow_on_headers_stop_iteration: false,
+        ..HostOptions::default()
+    });
+    let mut vm = common::configured(&host, &config(2, json!({})));
+    let x = vm.send(&Request::chat(chat_body("s", "q"))).unwrap();
+    assert!(
+        x.stalled,
+        "Envoy never hands the body to a filter paused in the headers"
+    );
+    assert!(x.upstream.is_none());
+    // Requests that do not pause still flow.
+    let x = vm
+        .send(&Request::new("GET", "/v1/models", Vec::new()))
+        .unwrap();
+    assert!(!x.stalled && x.upstream.is_some());
+}
+
+#[test]
+fn a_body_that_ends_with_trailers_is_routed_on_the_trailers() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({})));
+    let body = chat_body(&common::tenant_prompt(2), "q");
+    let warm = common::route(&mut vm, &body);
+    let r = Request::chat(body)
+        .chunks(Chunks::Every(100))
+        .trailers(Headers::from_pairs([("grpc-status", "0")]));
+    let x = vm.send(&r).unwrap();
+    assert_eq!(x.actions.last(), Some(&Action::Continue));
+    assert!(x.actions[..x.actions.len() - 1]
+        .iter()
+        .all(|a| *a == Action::Pause));
+    assert!(!x.stalled);
+    assert_eq!(
+        endpoint_of(&destination(&x)),
+        warm,
+        "routed on the body, not by fallback"
+    );
+    let response = vm.respond(x.id, 200).unwrap();
+    assert_eq!(
+        response.get_str("x-prefixroute-policy").as_deref(),
+        Some("prefix")
+    );
+}
+
+#[test]
+fn a_body_over_the_limit_falls_back_as_soon_as_it_is_too_large() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({"max_body_bytes": 1000})));
+    let body = chat_body(&"word ".repeat(500), "q");
+    let x = vm
+        .send(&Request::chat(body.clone()).chunks(Chunks::Every(400)))
+        .unwrap();
+    // 400 and 800 bytes are buffered; at 1200 the plugin gives up and lets everything through.
+    assert_eq!(
+        &x.actions[..4],
+        &[
+            Action::Pause,
+            Action::Pause,
+            Action::Pause,
+            Action::Continue
+        ]
+    );
+    assert!(x.actions[4..].iter().all(|a| *a == Action::Continue));
+    assert_eq!(x.upstream_body, body);
+    let response = vm.respond(x.id, 200).unwrap();
+    assert_eq!(
+        response.get_str("x-prefixroute-fallback").as_deref(),
+        Some("body_too_large")
+    );
+    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+}
+
+#[test]
+fn the_response_names_the_endpoint_policy_and_match() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(4, json!({})));
+    let system = common::tenant_prompt(3);
+    let first = vm
+        .round_trip(&Request::chat(chat_body(&system, "a")))
+        .unwrap();
+    let second = vm
+        .round_trip(&Request::chat(chat_body(&system, "b")))
+        .unwrap();
+    let e = endpoint_of(&destination(&first.exchange));
+    assert_eq!(endpoint_of(&destination(&second.exchange)), e);
+    assert_eq!(
+        first.response_header("x-prefixroute-endpoint"),
+        Some(common::name(e))
+    );
+    let matched = |rt: &host_tests::RoundTrip| -> (usize, usize) {
+        let m = rt.response_header("x-prefixroute-match").unwrap();
+        let (a, b) = m.split_once('/').unwrap();
+        (a.parse().unwrap(), b.parse().unwrap())
+    };
+    let (m1, t1) = matched(&first);
+    let (m2, t2) = matched(&second);
+    assert_eq!((m1, t1 > 5), (0, true), "cold");
+    assert!(m2 > 0 && m2 < t2, "warm, all but the tail: {m2}/{t2}");
+}
+
+#[test]
+fn costs_are_counted_per_request_and_repeat_exactly() {
+    let run = || {
+        let host = common::host();
+        let mut vm = common::configured(&host, &config(4, json!({})));
+        common::tick_and_answer(&mut vm, |_| {
+            host_tests::CalloutReply::ok(common::page(0.0, 1.0, 0.1))
+        });
+        let system = common::tenant_prompt(4);
+        vm.round_trip(&Request::chat(chat_body(&system, "a")))
+            .unwrap();
+        vm.round_trip(&Request::chat(chat_body(&system, "b")))
+            .unwrap()
+            .costs
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a, b, "instructions, calls and bytes are deterministic");
+    let t = &a.total;
+    assert!(t.fuel > 10_000, "{t:?}");
+    // headers, body, response headers, response body, log, done, delete (+ create).
+    assert_eq!(t.callbacks, 8);
+    assert_eq!(
+        t.calls("proxy_get_buffer_bytes"),
+        1,
+        "the body is copied in once"
+    );
+    assert!(
+        t.calls("proxy_get_shared_data") >= 4,
+        "one record per endpoint at least"
+    );
+    assert!(
+        a.by_callback["proxy_on_request_body"].fuel > t.fuel / 2,
+        "routing dominates"
+    );
+    assert!(t.shared_bytes_in > 0 && t.shared_bytes_out > 0);
+}
+
+/// Why the plugin's README asks for `per_connection_buffer_limit_bytes` above
+/// `max_body_bytes`: with Envoy's default 1 MiB limit and the plugin's default 4 MiB
+/// `max_body_bytes`, a 2 MiB request is answered 413 by Envoy before the plugin can fall back.
+#[test]
+fn envoys_buffer_limit_must_exceed_max_body_bytes() {
+    let body = chat_body(&"a".repeat(2_200_000), "q");
+    assert!(body.len() > 1 << 21);
+    for (limit, expect_413) in [(1 << 20, true), (8 << 20, false)] {
+        let host = common::host_with(HostOptions {
+            buffer_limit_bytes: Some(limit),
+            ..HostOptions::default()
+        });
+        let mut vm = common::configured(&host, &config(2, json!({})));
+        let x = vm
+            .send(&Request::chat(body.clone()).chunks(Chunks::Every(64 << 10)))
+            .unwrap();
+        assert_eq!(
+            x.local_reply.as_ref().map(|r| r.status_code) == Some(413),
+            expect_413,
+            "limit {limit}"
+        );
+        assert_eq!(x.upstream.is_some(), !expect_413, "limit {limit}");
+        assert!(!x.stalled);
+    }
+}

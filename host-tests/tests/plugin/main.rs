@@ -1,0 +1,14 @@
+//! End-to-end tests of the prefixroute plugin (the real `.wasm`) on the deterministic host, and
+//! tests of the host's ABI itself. One test binary, so the module is compiled (or loaded from
+//! the compile cache) once.
+
+mod common;
+
+mod abi;
+mod config;
+mod corpus;
+mod destination;
+mod differential;
+mod lifecycle;
+mod scrape;
+mod workers;
