@@ -374,8 +374,24 @@ fn is_header_name(name: &str) -> bool {
 impl PluginConfig {
     /// Parses and validates; an empty configuration is an error (there are no endpoints).
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
-        let config: PluginConfig =
+        let value: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        Self::from_value(value)
+    }
+
+    /// Parses and validates an already decoded configuration. A type error names the field
+    /// (`block_size: invalid type: …`), since the operator's text may have been re-encoded
+    /// (a protobuf Struct) and a line/column would point at nothing they wrote.
+    pub fn from_value(value: serde_json::Value) -> Result<Self, ConfigError> {
+        let config: PluginConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            ConfigError::Json(if path == "." || path.is_empty() {
+                inner
+            } else {
+                format!("{path}: {inner}")
+            })
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -555,6 +571,18 @@ mod tests {
                 "address \"1.2.3.4:1\" is used twice",
             ),
             (r#"{"endpoints":[],"polcy":"x"}"#, "unknown field `polcy`"),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"block_size":16.5}"#,
+                "block_size: invalid type",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":7}]}"#,
+                "endpoints[0].address: invalid type",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"scrape":{"path":1}}"#,
+                "scrape.path: invalid type",
+            ),
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"policy":"fast"}"#,
                 "unknown variant `fast`",

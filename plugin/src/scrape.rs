@@ -57,7 +57,15 @@ pub fn try_claim(
         return (Claim::NotDue, state);
     }
     let mut claimed = state.clone();
-    claimed.next_scrape_ms = now_ms.saturating_add(interval_ms);
+    // Keep the schedule on its grid: Envoy's timers fire a little late, and scheduling from
+    // `now` would let that lateness accumulate until a whole tick (and a scrape) is skipped.
+    // After a long pause (no tick for an interval), restart the grid from now.
+    let on_grid = state.next_scrape_ms.saturating_add(interval_ms);
+    claimed.next_scrape_ms = if on_grid > now_ms {
+        on_grid
+    } else {
+        now_ms.saturating_add(interval_ms)
+    };
     let claim = match host.set(key, &claimed.encode(), cas) {
         Ok(()) => Claim::Claimed,
         Err(SetError::CasMismatch) => Claim::Lost,
@@ -117,6 +125,9 @@ pub fn apply(
     let mut t = Transition::default();
     match observation {
         Observation::Failed => {
+            // What the endpoint reported before it stopped answering says nothing about it
+            // now: it is unmeasured until a scrape succeeds.
+            state.metrics = None;
             state.failures = state.failures.saturating_add(1);
             if u32::from(state.failures) >= failures_to_down && !state.down {
                 state.down = true;
@@ -264,6 +275,8 @@ mod tests {
             Transition::default()
         );
         assert!(!s.down);
+        // One failure already makes the endpoint unmeasured: its old numbers are dropped.
+        assert!(fresh_metrics(&s, 20, 5000).is_none());
         let t = apply(&mut s, &Observation::Failed, 30, 2, 1000);
         assert!(t.went_down && s.down);
         assert_eq!(
@@ -271,9 +284,7 @@ mod tests {
             Transition::default()
         );
         assert_eq!(s.failures, 3);
-        // Old metrics stay but go stale; the router sees the endpoint as down and unmeasured.
-        assert!(fresh_metrics(&s, 40, 5000).is_some());
-        assert!(fresh_metrics(&s, 6000, 5000).is_none());
+        assert!(fresh_metrics(&s, 40, 5000).is_none());
         let t = apply(&mut s, &ok, 50, 2, 1000);
         assert!(t.came_up && t.forgot && !t.went_down);
         assert_eq!((s.down, s.failures, s.clock), (false, 0, 1050));

@@ -23,8 +23,7 @@ pub fn load_config(raw: &[u8]) -> Result<PluginConfig, ConfigError> {
         value = serde_json::from_str(inner).map_err(|e| ConfigError::Json(e.to_string()))?;
     }
     integral_floats_to_integers(&mut value);
-    let bytes = serde_json::to_vec(&value).map_err(|e| ConfigError::Json(e.to_string()))?;
-    PluginConfig::from_json(&bytes)
+    PluginConfig::from_value(value)
 }
 
 fn integral_floats_to_integers(value: &mut Value) {

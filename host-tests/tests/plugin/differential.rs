@@ -60,6 +60,7 @@ impl Mirror {
     ) {
         match o {
             Observation::Failed => {
+                self.metrics[e] = None;
                 self.failures[e] += 1;
                 if self.failures[e] >= failures_to_down {
                     self.down[e] = true;
