@@ -17,17 +17,42 @@
 /// The single-character pieces.
 const PUNCTUATION: &[u8] = b"{}:,-.?!;@#$%^&*()+_~/\\><[]=\"'";
 
+const OTHER: u8 = 0;
+const WORD: u8 = 1;
+const PUNCT: u8 = 2;
+const SPACE: u8 = 3;
+
+/// Byte classes, looked up once per byte: the scanner is the hottest loop of a routing
+/// decision, and a table beats searching the punctuation list for every byte.
+const CLASS: [u8; 256] = {
+    let mut table = [OTHER; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        if c.is_ascii_alphanumeric() || c == b'_' {
+            table[b] = WORD;
+        }
+        // Whitespace as RE2 `\s` (and Go's): space, \t, \n, \v, \f, \r.
+        if matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c) {
+            table[b] = SPACE;
+        }
+        b += 1;
+    }
+    let mut i = 0;
+    while i < PUNCTUATION.len() {
+        // `_` is both; as a piece's first byte it is punctuation (see `Pieces::next`).
+        table[PUNCTUATION[i] as usize] = PUNCT;
+        i += 1;
+    }
+    table
+};
+
+fn class(b: u8) -> u8 {
+    CLASS[b as usize]
+}
+
 fn is_word_byte(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b == b'_'
-}
-
-fn is_punctuation(b: u8) -> bool {
-    PUNCTUATION.contains(&b)
-}
-
-/// Whitespace as RE2 `\s`: space, \t, \n, \f, \r (and \v, which Go's `\s` also matches).
-fn is_space(b: u8) -> bool {
-    matches!(b, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
+    class(b) == WORD || b == b'_'
 }
 
 /// 32-bit FNV-1a, as Go's `hash/fnv.New32a`.
@@ -54,11 +79,7 @@ impl<'a> Iterator for Pieces<'a> {
         let bytes = self.bytes;
         // Skip bytes that start no piece. Pieces start and end on ASCII bytes, so every slice
         // below falls on a UTF-8 character boundary.
-        while self.pos < bytes.len() {
-            let b = bytes[self.pos];
-            if is_word_byte(b) || is_punctuation(b) {
-                break;
-            }
+        while self.pos < bytes.len() && matches!(class(bytes[self.pos]), OTHER | SPACE) {
             self.pos += 1;
         }
         if self.pos >= bytes.len() {
@@ -68,14 +89,14 @@ impl<'a> Iterator for Pieces<'a> {
         // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
         // leftmost-first, so `_` at the start of a piece is a piece of its own, while `_` inside
         // a run of word characters continues the run.
-        if !is_punctuation(bytes[start]) {
+        if class(bytes[start]) != PUNCT {
             while self.pos < bytes.len() && is_word_byte(bytes[self.pos]) {
                 self.pos += 1;
             }
         } else {
             self.pos += 1;
         }
-        while self.pos < bytes.len() && is_space(bytes[self.pos]) {
+        while self.pos < bytes.len() && class(bytes[self.pos]) == SPACE {
             self.pos += 1;
         }
         Some(&self.text[start..self.pos])
@@ -109,6 +130,23 @@ mod tests {
 
     fn pieces_of(text: &str) -> Vec<&str> {
         pieces(text).collect()
+    }
+
+    #[test]
+    fn byte_classes_match_the_documented_sets() {
+        for b in 0..=255u8 {
+            let expected = if PUNCTUATION.contains(&b) {
+                PUNCT
+            } else if b.is_ascii_alphanumeric() {
+                WORD
+            } else if b" \t\n\r\x0b\x0c".contains(&b) {
+                SPACE
+            } else {
+                OTHER
+            };
+            assert_eq!(class(b), expected, "byte {b:#04x}");
+        }
+        assert!(is_word_byte(b'_') && is_word_byte(b'a') && !is_word_byte(b'-'));
     }
 
     #[test]

@@ -278,12 +278,8 @@ impl<H: SharedData> SharedIndex<H> {
         self.load_state(endpoint).map_or(0, |s| s.value.clock)
     }
 
-    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Option<Slot<Bucket>> {
-        if let Some(slot) = self.cache.borrow().buckets.get(&bucket) {
-            if !fresh_cas || slot.cas.is_some() {
-                return Some(slot.clone());
-            }
-        }
+    /// Reads a bucket from shared data into the request cache (replacing what was cached).
+    fn fetch_bucket(&self, bucket: u64) -> Option<()> {
         let slot = match self.host.get(&bucket_key(self.bits, bucket)) {
             Ok(Some((bytes, cas))) => Slot {
                 value: Bucket::decode(&bytes).unwrap_or_default(),
@@ -298,16 +294,34 @@ impl<H: SharedData> SharedIndex<H> {
                 return None;
             }
         };
-        self.cache.borrow_mut().buckets.insert(bucket, slot.clone());
-        Some(slot)
+        self.cache.borrow_mut().buckets.insert(bucket, slot);
+        Some(())
     }
 
+    /// A copy of the bucket for a read-modify-write; `fresh_cas` re-reads it if our own write
+    /// made the cached CAS token unknown.
+    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Option<Slot<Bucket>> {
+        let cached = match self.cache.borrow().buckets.get(&bucket) {
+            Some(slot) => !fresh_cas || slot.cas.is_some(),
+            None => false,
+        };
+        if !cached {
+            self.fetch_bucket(bucket)?;
+        }
+        self.cache.borrow().buckets.get(&bucket).cloned()
+    }
+
+    /// Reads go through the cache without copying the bucket: `longest_match` asks every
+    /// endpoint about every block, so this is the plugin's hottest path.
     fn stamp(&self, hash: u64, endpoint_id: u64) -> Option<u64> {
         let bucket = self.bucket_of(hash);
-        if let Some(slot) = self.cache.borrow().buckets.get(&bucket) {
-            return slot.value.stamp(hash, endpoint_id);
+        if !self.cache.borrow().buckets.contains_key(&bucket) {
+            self.fetch_bucket(bucket)?;
         }
-        self.load_bucket(bucket, false)?
+        self.cache
+            .borrow()
+            .buckets
+            .get(&bucket)?
             .value
             .stamp(hash, endpoint_id)
     }
