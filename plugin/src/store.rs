@@ -326,6 +326,44 @@ impl<H: SharedData> SharedIndex<H> {
             .stamp(hash, endpoint_id)
     }
 
+    /// How many leading blocks of `chain` the endpoint holds, by binary search, and the held
+    /// positions the search looked at.
+    ///
+    /// The belief about one chain is prefix-closed by construction: every record of a block
+    /// records all the blocks before it (a block hash names its whole prefix), and the head of
+    /// a chain gets the newest stamp. So the held blocks are a leading run and `log2(blocks)`
+    /// probes find its end, where a linear walk would read one bucket per block (the cost that
+    /// dominates a warm request). Only near the capacity window's edge can stamps from
+    /// different records leave a gap, and then the answer is an approximation, as the whole
+    /// index is (a belief about caches that evict on their own).
+    fn probe(&self, id: u64, clock: u64, chain: &[u64]) -> (usize, Vec<usize>) {
+        let holds = |i: usize| {
+            self.stamp(chain[i], id)
+                .is_some_and(|s| held(clock, s, self.capacity))
+        };
+        let n = chain.len();
+        if n == 0 || !holds(0) {
+            return (0, Vec::new());
+        }
+        let mut probes = vec![0];
+        if holds(n - 1) {
+            probes.push(n - 1);
+            return (n, probes);
+        }
+        // Invariant: block `lo` is held, block `hi` is not.
+        let (mut lo, mut hi) = (0, n - 1);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if holds(mid) {
+                probes.push(mid);
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        (lo + 1, probes)
+    }
+
     fn freshness(&self, endpoint_id: u64, stamp: u64) -> Freshness {
         match self.by_id.binary_search_by_key(&endpoint_id, |&(id, _)| id) {
             Err(_) => Freshness::Foreign,
@@ -413,14 +451,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let Some(&id) = self.ids.get(endpoint) else {
             return 0;
         };
-        let clock = self.clock(endpoint);
-        chain
-            .iter()
-            .take_while(|&&hash| {
-                self.stamp(hash, id)
-                    .is_some_and(|s| held(clock, s, self.capacity))
-            })
-            .count()
+        self.probe(id, self.clock(endpoint), chain).0
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
@@ -428,14 +459,22 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         };
         let clock = self.clock(endpoint);
-        // Blocks that need a new stamp: not held, or held but old enough to refresh.
+        let (matched, probes) = self.probe(id, clock, chain);
+        let needs_stamp = |hash: u64| {
+            self.stamp(hash, id)
+                .map_or(true, |s| clock.saturating_sub(s) >= self.refresh_after)
+        };
+        // The matched prefix keeps its stamps while the blocks the search looked at are young:
+        // then reading every block of it again would only confirm that. When one is old
+        // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
+        // records of a hot prefix). The unmatched tail always needs stamps.
+        let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
         let stale: Vec<u64> = chain
             .iter()
             .copied()
-            .filter(|&hash| {
-                self.stamp(hash, id)
-                    .map_or(true, |s| clock.saturating_sub(s) >= self.refresh_after)
-            })
+            .enumerate()
+            .filter(|&(i, hash)| i >= matched || (refresh_prefix && needs_stamp(hash)))
+            .map(|(_, hash)| hash)
             .collect();
         if stale.is_empty() {
             return;
