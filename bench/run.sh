@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The side-by-side benchmark: cache effect, cost per request, scale (see bench/README.md).
 #
-#   bench/run.sh                 # everything, ~35 minutes on 2 cores
+#   bench/run.sh                 # everything, 25-35 minutes on 2 cores
 #   bench/run.sh --quick         # shorter traces and runs, ~12 minutes
 #   bench/run.sh --sections cost --systems envoy-rr,prefix
 #   bench/run.sh --wait-idle 600 # wait (up to 10 min) for the machine to be idle first
