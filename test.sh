@@ -46,7 +46,7 @@ step "real Envoy: plugin in front of fake vLLM replicas"
 ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy -- --ignored --test-threads 1
 
 step "browser: web demo in headless Chromium"
-web-demo/test.sh
+PREFIXROUTE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/prefixroute" web-demo/test.sh
 
 step "benchmark smoke: one short trace through Envoy RR, the plugin and sglang-router; wrk at 8 KB"
 bench/smoke.sh

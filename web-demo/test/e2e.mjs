@@ -7,7 +7,7 @@
 
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
@@ -168,6 +168,24 @@ describe('web demo', { concurrency: false }, () => {
     console.log(`seed 42: ${first}, seed 7: ${await tenant()}`);
     await setField('seed', 42);
     await page.waitForFunction((old) => [...document.querySelectorAll('#strip .blk')].map((el) => el.dataset.hash).join() === old, hashes.join());
+  });
+
+  test('the browser (wasm32) generates exactly the CLI\'s trace for a seed', async (t) => {
+    // Random draws go through u64 in core so that 32-bit targets agree with native builds;
+    // this compares the two for real. test.sh points PREFIXROUTE_BIN at the built CLI.
+    const bin = process.env.PREFIXROUTE_BIN;
+    if (!bin) {
+      t.skip('PREFIXROUTE_BIN is not set');
+      return;
+    }
+    const args = ['trace', '-o', '-', '--seed', '7', '--hot', '0.3', '--requests', '40'];
+    const cli = execFileSync(bin, args).toString().trim().split('\n').map((l) => JSON.parse(l));
+    const browser = JSON.parse(await page.evaluate(async () => {
+      const core = await import('./pkg/prefixroute_web_demo.js');
+      return core.generateTrace(JSON.stringify({ seed: 7, hot: 0.3, requests: 40 }));
+    }));
+    assert.equal(browser.length, 40);
+    assert.deepEqual(browser, cli);
   });
 
   test('changing controls rebuilds fleet and router', async () => {
