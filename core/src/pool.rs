@@ -176,16 +176,7 @@ pub fn validate(object: &Value, default_namespace: &str) -> Result<InferencePool
         return Err(PoolError::Invalid { name, errors });
     }
     let spec = defaulted.get("spec").cloned().unwrap_or(Value::Null);
-    let match_labels = spec
-        .get("selector")
-        .and_then(|s| s.get("matchLabels"))
-        .and_then(Value::as_object)
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                .collect()
-        })
-        .unwrap_or_default();
+    let match_labels = string_map(spec.get("selector").and_then(|s| s.get("matchLabels")));
     let target_ports = spec
         .get("targetPorts")
         .and_then(Value::as_array)
@@ -241,16 +232,7 @@ impl Pod {
         {
             return None;
         }
-        let labels = object
-            .get("metadata")
-            .and_then(|m| m.get("labels"))
-            .and_then(Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let labels = string_map(object.get("metadata").and_then(|m| m.get("labels")));
         let status = object.get("status");
         let ready = status
             .and_then(|s| s.get("conditions"))
@@ -427,6 +409,19 @@ pub fn flatten_lists(document: Value, out: &mut Vec<Value>) {
             flatten_lists(item, out);
         }
     }
+}
+
+/// The string-valued entries of a JSON object (labels, selectors); absent or not an object
+/// = empty.
+fn string_map(value: Option<&Value>) -> BTreeMap<String, String> {
+    value
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
