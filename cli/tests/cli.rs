@@ -66,18 +66,87 @@ fn hit_rate(rows: &[Vec<String>], policy: &str) -> f64 {
 }
 
 #[test]
-fn simulate_default_trace_shows_prefix_far_ahead_with_every_tenant_pinned() {
+fn simulate_default_trace_shows_the_cache_aware_policies_far_ahead_with_every_tenant_pinned() {
     let trace = temp("default.jsonl");
     assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()])
         .status
         .success());
     let rows = simulate_rows(&trace, &[]);
-    assert_eq!(rows.len(), 5, "one row per policy");
-    let prefix = hit_rate(&rows, "prefix");
-    assert!(prefix > hit_rate(&rows, "round-robin") + 25.0);
-    assert!(prefix > hit_rate(&rows, "least-queue") + 25.0);
-    let pinned = &rows.iter().find(|r| r[0] == "prefix").unwrap()[7];
-    assert_eq!(pinned, "8/8");
+    assert_eq!(rows.len(), 7, "one row per policy and the upper bound");
+    assert_eq!(rows[0][0], "latency", "the default policy first");
+    assert_eq!(rows[6][..2], ["upper", "bound"]);
+    for policy in ["latency", "prefix"] {
+        let hit = hit_rate(&rows, policy);
+        assert!(hit > hit_rate(&rows, "round-robin") + 25.0, "{policy}");
+        assert!(hit > hit_rate(&rows, "least-queue") + 25.0, "{policy}");
+        // policy, hit, of bound, p50, ms, p95, ms, queue p95, groups on one
+        let pinned = &rows.iter().find(|r| r[0] == policy).unwrap()[8];
+        assert_eq!(pinned, "8/8", "{policy}");
+    }
+}
+
+#[test]
+fn simulate_reports_each_policys_share_of_the_upper_bound() {
+    // The RAG command: 6 documents of ~1,000 tokens, caches of 2 documents each,
+    // 1 ms per uncached token.
+    let trace = temp("rag.jsonl");
+    let t = trace.to_str().unwrap();
+    let out = prefixroute(&[
+        "trace",
+        "--shape",
+        "rag",
+        "--tenants",
+        "6",
+        "--prompt-words",
+        "800",
+        "--question-words",
+        "20",
+        "--rate",
+        "20",
+        "--requests",
+        "200",
+        "--seed",
+        "5",
+        "-o",
+        t,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows = simulate_rows(
+        &trace,
+        &[
+            "--cache-blocks",
+            "128",
+            "--slots",
+            "4",
+            "--decode-ms-per-token",
+            "0",
+        ],
+    );
+    let share = |policy: &str| -> f64 {
+        let row = rows.iter().find(|r| r[0] == policy).unwrap();
+        row[2].trim_end_matches('%').parse().unwrap()
+    };
+    assert!(share("latency") >= 95.0, "{rows:?}");
+    // "upper bound" is two words: its share is one column further.
+    assert_eq!(rows.last().unwrap()[3], "100.0%");
+    assert!(share("round-robin") < 50.0);
+    // --json carries the same numbers.
+    let out = prefixroute(&[
+        "simulate",
+        t,
+        "--cache-blocks",
+        "128",
+        "--slots",
+        "4",
+        "--decode-ms-per-token",
+        "0",
+        "--policy",
+        "latency,round-robin",
+        "--json",
+    ]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["policies"].as_array().unwrap().len(), 2);
+    assert!(json["upper_bound"]["hit_rate"].as_f64().unwrap() > 0.9);
 }
 
 #[test]
@@ -102,6 +171,44 @@ fn simulate_shows_decisions_in_the_documented_form() {
     assert!(line.contains(": prefix -> replica-"), "{line}");
     assert!(line.contains(" blocks, score "), "{line}");
     assert!(line.contains(", next replica-"), "{line}");
+}
+
+#[test]
+fn latency_decisions_explain_every_endpoints_prediction() {
+    let trace = temp("latency-decisions.jsonl");
+    assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()])
+        .status
+        .success());
+    let out = prefixroute(&[
+        "simulate",
+        trace.to_str().unwrap(),
+        "--policy",
+        "latency",
+        "--show-decisions",
+        "5",
+    ]);
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    let at = lines.iter().position(|l| l.starts_with("#3 ")).expect("#3");
+    let line = lines[at];
+    assert!(line.contains(": latency -> replica-"), "{line}");
+    assert!(line.contains(" uncached tokens, queue "), "{line}");
+    assert!(line.contains(" ms, TTFT "), "{line}");
+    // Then one line per replica, the chosen one starred.
+    let per: Vec<&str> = lines[at + 1..at + 4].to_vec();
+    assert_eq!(
+        per.iter()
+            .filter(|l| l.trim_start().starts_with('*'))
+            .count(),
+        1
+    );
+    for l in per {
+        assert!(
+            l.contains("uncached tokens, queue ") && l.contains(" ms/token and "),
+            "{l}"
+        );
+        assert!(l.contains("cost ") && l.contains("cache "), "{l}");
+    }
 }
 
 #[test]

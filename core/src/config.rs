@@ -10,11 +10,12 @@ use thiserror::Error;
 
 use crate::hashing::HashConfig;
 use crate::index::DEFAULT_CAPACITY_BLOCKS;
+use crate::latency::LatencyConfig;
 use crate::scorer::MatchLength;
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ConfigError {
-    #[error("unknown policy {0:?} (expected one of: prefix, prefix-only, least-queue, round-robin, random)")]
+    #[error("unknown policy {0:?} (expected one of: latency, prefix, prefix-only, least-queue, round-robin, random)")]
     UnknownPolicy(String),
     #[error("invalid weights {0:?}: expected name=value pairs such as prefix=3,queue=2,kv=2")]
     BadWeights(String),
@@ -50,13 +51,17 @@ fn out_of_range(
     }
 }
 
-/// Routing policies: `prefix` is the product; the others are baselines in the same router so
+/// Routing policies: `latency` is the product; the others are baselines in the same router so
 /// comparisons differ only in the decision rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Policy {
-    /// Weighted prefix-cache + queue + kv-cache-utilization + no-hit-lru scorers.
+    /// The lowest predicted time to first token (queue wait + uncached prefill), plus the
+    /// prefill that evictions will cost later (see [`crate::latency`]).
     #[default]
+    Latency,
+    /// llm-d's default profile: weighted prefix-cache + queue + kv-cache-utilization +
+    /// no-hit-lru scorers behind a saturation filter.
     Prefix,
     /// The prefix-cache scorer alone: locality without any load signal.
     PrefixOnly,
@@ -66,7 +71,8 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
+        Policy::Latency,
         Policy::Prefix,
         Policy::PrefixOnly,
         Policy::LeastQueue,
@@ -74,8 +80,26 @@ impl Policy {
         Policy::Random,
     ];
 
+    /// The scorer outputs (fields of `router::EndpointScores`) this policy's score is made
+    /// of; the others are computed for reference. `latency` scores with its prediction instead
+    /// (see [`Policy::predicts`]).
+    pub fn scorers(self) -> &'static [&'static str] {
+        match self {
+            Policy::Prefix => &["prefix", "queue", "kv_cache", "no_hit_lru"],
+            Policy::PrefixOnly => &["prefix"],
+            Policy::LeastQueue => &["queue"],
+            Policy::Latency | Policy::RoundRobin | Policy::Random => &[],
+        }
+    }
+
+    /// The policy picks by a predicted cost (`router::EndpointScores::prediction`), lowest wins.
+    pub fn predicts(self) -> bool {
+        self == Policy::Latency
+    }
+
     pub fn name(self) -> &'static str {
         match self {
+            Policy::Latency => "latency",
             Policy::Prefix => "prefix",
             Policy::PrefixOnly => "prefix-only",
             Policy::LeastQueue => "least-queue",
@@ -231,6 +255,7 @@ pub struct RouterConfig {
     pub match_length: MatchLength,
     pub hash: HashConfig,
     pub index_capacity_blocks: usize,
+    pub latency: LatencyConfig,
     /// Seeds tie-breaking and the `random` policy.
     pub seed: u64,
 }
@@ -238,12 +263,13 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         RouterConfig {
-            policy: Policy::Prefix,
+            policy: Policy::Latency,
             weights: Weights::default(),
             saturation: SaturationFilter::default(),
             match_length: MatchLength::default(),
             hash: HashConfig::default(),
             index_capacity_blocks: DEFAULT_CAPACITY_BLOCKS,
+            latency: LatencyConfig::default(),
             seed: 0,
         }
     }
@@ -271,6 +297,7 @@ impl RouterConfig {
         if self.index_capacity_blocks == 0 {
             return Err(out_of_range("index_capacity_blocks", "at least 1", 0));
         }
+        self.latency.validate()?;
         Ok(())
     }
 }
@@ -323,7 +350,11 @@ pub struct PluginConfig {
     pub saturation: SaturationFilter,
     pub match_length: MatchLength,
     pub block_size: usize,
+    /// Believed-cached blocks per endpoint when the endpoint does not report its capacity
+    /// (`vllm:cache_config_info`'s `num_gpu_blocks`); a reported capacity bounds it further.
     pub index_capacity_blocks: usize,
+    /// Priors and bounds of the `latency` policy's model.
+    pub latency: LatencyConfig,
     pub scrape: ScrapeConfig,
     /// Request header that carries the chosen `ip:port` to Envoy's override_host policy.
     pub destination_header: String,
@@ -347,6 +378,7 @@ impl Default for PluginConfig {
             match_length: router.match_length,
             block_size: router.hash.block_size,
             index_capacity_blocks: router.index_capacity_blocks,
+            latency: router.latency,
             scrape: ScrapeConfig::default(),
             destination_header: "x-gateway-destination-endpoint".into(),
             max_body_bytes: 4 << 20,
@@ -407,6 +439,7 @@ impl PluginConfig {
                 include_partial: true,
             },
             index_capacity_blocks: self.index_capacity_blocks,
+            latency: self.latency,
             seed: self.seed,
         }
     }
@@ -500,6 +533,16 @@ mod tests {
     }
 
     #[test]
+    fn each_policy_says_what_its_score_is_made_of() {
+        for p in Policy::ALL {
+            let scores = !p.scorers().is_empty() || p.predicts();
+            let draws = matches!(p, Policy::RoundRobin | Policy::Random);
+            assert_eq!(scores, !draws, "{p}");
+        }
+        assert_eq!(Policy::Prefix.scorers().len(), 4);
+    }
+
+    #[test]
     fn weights_parse_with_defaults_and_aliases() {
         let w: Weights = "prefix=5,kv=0.5".parse().unwrap();
         assert_eq!(
@@ -535,7 +578,7 @@ mod tests {
     #[test]
     fn plugin_config_minimal_and_full() {
         let c = plugin(r#"{"endpoints":[{"name":"a","address":"127.0.0.1:8001"}]}"#).unwrap();
-        assert_eq!(c.policy, Policy::Prefix);
+        assert_eq!(c.policy, Policy::Latency);
         assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
         let c = plugin(
             r#"{"endpoints":[{"name":"a","address":"10.0.0.1:8000"},{"name":"b","address":"[::1]:8000"}],
@@ -602,6 +645,14 @@ mod tests {
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"weights":{"queue":-2}}"#,
                 "weights.queue",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"latency":{"lanes":0}}"#,
+                "latency.lanes must be in 1..4096, got 0",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"latency":{"speed":1}}"#,
+                "latency.speed: unknown field `speed`",
             ),
         ];
         for (json, needle) in cases {

@@ -12,6 +12,7 @@ pub mod config;
 pub mod disagg;
 pub mod hashing;
 pub mod index;
+pub mod latency;
 pub mod metrics;
 pub mod pool;
 pub mod replica;

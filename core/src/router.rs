@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore};
+use crate::latency::{predict, CacheRoom, Footprint, GroupGrowth, Prediction};
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
 pub use crate::config::{Policy, RouterConfig, SaturationFilter, Weights};
@@ -24,13 +25,21 @@ pub struct EndpointScores {
     pub queue: f64,
     pub kv_cache: f64,
     pub no_hit_lru: f64,
-    /// The policy's score: the weighted sum for `prefix`, one scorer for the single-signal
-    /// policies, 0 for `round-robin` and `random`, which do not score.
+    /// The policy's score, higher is better: the weighted sum for `prefix`, one scorer for the
+    /// single-signal policies, minus the predicted cost in ms for `latency`, 0 for
+    /// `round-robin` and `random`, which do not score.
     pub total: f64,
     /// Not eligible: down while another endpoint was up, or saturated while another was not.
     pub excluded: bool,
     /// At or above a saturation threshold (queue or KV-cache usage).
     pub saturated: bool,
+    /// The `latency` policy's prediction for this endpoint (`None` under other policies).
+    pub prediction: Option<Prediction>,
+    /// The endpoint's believed cache when the decision was made.
+    pub room: CacheRoom,
+    /// The request continues an earlier request on this endpoint (see
+    /// [`PrefixStore::continues`]).
+    pub continues: bool,
 }
 
 /// A routing decision with its full explanation.
@@ -49,6 +58,8 @@ pub struct Decision {
     pub tie: bool,
     /// Every endpoint was down, so the pick ignored health.
     pub all_down: bool,
+    /// The request continues an earlier one on some eligible endpoint (its group grows).
+    pub continuation: bool,
 }
 
 impl Decision {
@@ -60,23 +71,53 @@ impl Decision {
         self.scores[self.endpoint].total
     }
 
-    /// `prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`.
+    /// The chosen endpoint's prediction (`latency` only).
+    pub fn prediction(&self) -> Option<&Prediction> {
+        self.scores.get(self.endpoint)?.prediction.as_ref()
+    }
+
+    /// Blocks of the request the chosen endpoint was not believed to hold.
+    pub fn new_blocks(&self) -> usize {
+        let matched = self
+            .scores
+            .get(self.endpoint)
+            .map_or(0, |s| s.matched_blocks);
+        self.total_blocks.saturating_sub(matched)
+    }
+
+    /// `prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`, or for
+    /// `latency`, `latency -> replica-2: match 60/62 blocks, 40 uncached tokens, queue 0 ms,
+    /// TTFT 45 ms, next replica-1 1005 ms`.
     pub fn summary(&self, names: &[String]) -> String {
         let name = |i: usize| names.get(i).map_or_else(|| format!("#{i}"), Clone::clone);
         let mut line = format!(
-            "{} -> {}: match {}/{} blocks, score {:.2}",
+            "{} -> {}: match {}/{} blocks",
             self.policy,
             name(self.endpoint),
             self.matched_blocks(),
             self.total_blocks,
-            self.score()
         );
+        match self.prediction() {
+            Some(p) => {
+                line.push_str(&format!(
+                    ", {} uncached tokens, queue {:.0} ms, TTFT {:.0} ms",
+                    p.uncached_tokens, p.queue_ms, p.ttft_ms
+                ));
+                if p.cost_ms > p.ttft_ms {
+                    line.push_str(&format!(", cost {:.0} ms", p.cost_ms));
+                }
+            }
+            None => line.push_str(&format!(", score {:.2}", self.score())),
+        }
         if let Some(next) = self.runner_up {
-            line.push_str(&format!(
-                ", next {} {:.2}",
-                name(next),
-                self.scores[next].total
-            ));
+            match &self.scores[next].prediction {
+                Some(p) => line.push_str(&format!(", next {} {:.0} ms", name(next), p.cost_ms)),
+                None => line.push_str(&format!(
+                    ", next {} {:.2}",
+                    name(next),
+                    self.scores[next].total
+                )),
+            }
         }
         if self.tie {
             line.push_str(" (tie)");
@@ -85,6 +126,99 @@ impl Decision {
             line.push_str(" (all endpoints down)");
         }
         line
+    }
+}
+
+impl Decision {
+    /// One line per endpoint with what the policy saw there: for `latency` the predicted
+    /// queue, uncached tokens, TTFT and evictions; for the others each scorer's output.
+    pub fn endpoint_lines(&self, names: &[String]) -> Vec<String> {
+        let name = |i: usize| names.get(i).map_or_else(|| format!("#{i}"), Clone::clone);
+        self.scores
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let mark = if i == self.endpoint { "*" } else { " " };
+                let state = if s.excluded { " (excluded)" } else { "" };
+                let room = format!(
+                    "cache {}/{} blocks",
+                    s.room.believed_blocks, s.room.capacity_blocks
+                );
+                match &s.prediction {
+                    Some(p) => format!(
+                        "{mark} {}: match {}/{}{}, {} uncached tokens, queue {:.0} ms ({:.1} requests), \
+                         TTFT {:.0} ms at {:.3} ms/token and {} lanes, delay to others {:.0} ms, \
+                         room {:.1} blocks {:.0} ms, cost {:.0} ms, {room}{state}",
+                        name(i),
+                        s.matched_blocks,
+                        self.total_blocks,
+                        if s.continues { " (continues)" } else { "" },
+                        p.uncached_tokens,
+                        p.queue_ms,
+                        p.queue_requests,
+                        p.ttft_ms,
+                        p.ms_per_token,
+                        p.lanes,
+                        p.delay_to_others_ms,
+                        p.room_blocks,
+                        p.room_ms,
+                        p.cost_ms,
+                    ),
+                    None => format!(
+                        "{mark} {}: match {}/{}, prefix {:.2}, queue {:.2}, kv {:.2}, no-hit-lru {:.2}, \
+                         total {:.2}, {room}{state}",
+                        name(i),
+                        s.matched_blocks,
+                        self.total_blocks,
+                        s.prefix,
+                        s.queue,
+                        s.kv_cache,
+                        s.no_hit_lru,
+                        s.total,
+                    ),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Which endpoints a pick may choose from (the eligibility filter's output).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Eligibility {
+    pub eligible: Vec<bool>,
+    pub saturated: Vec<bool>,
+    /// Every endpoint was down, so every one is eligible again.
+    pub all_down: bool,
+}
+
+/// The eligibility filter: endpoints that are down are out while another is up; under
+/// `prefix`, saturated endpoints (queue or KV usage at a threshold) are out while another is
+/// below both, as the Gateway API Inference Extension's default scheduler does. `latency`
+/// needs no saturation filter: a long queue is a long predicted wait.
+pub fn eligibility(
+    policy: Policy,
+    loads: &[EndpointLoad],
+    limits: SaturationFilter,
+) -> Eligibility {
+    let n = loads.len();
+    let all_down = n > 0 && loads.iter().all(|l| l.down);
+    let mut eligible: Vec<bool> = loads.iter().map(|l| all_down || !l.down).collect();
+    let mut saturated = vec![false; n];
+    if policy == Policy::Prefix {
+        for (i, load) in loads.iter().enumerate() {
+            saturated[i] = load.queue.is_some_and(|q| q >= limits.queue_threshold)
+                || load.kv_usage.is_some_and(|u| u >= limits.kv_threshold);
+        }
+        if (0..n).any(|i| eligible[i] && !saturated[i]) {
+            for i in 0..n {
+                eligible[i] &= !saturated[i];
+            }
+        }
+    }
+    Eligibility {
+        eligible,
+        saturated,
+        all_down,
     }
 }
 
@@ -99,6 +233,8 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     /// Logical time each endpoint last took a cold request (for no-hit-lru).
     last_cold: Vec<Option<u64>>,
     cold_clock: u64,
+    /// How groups grow, learned from every committed request (for `latency`'s room price).
+    growth: GroupGrowth,
 }
 
 impl Router<PrefixIndex> {
@@ -118,6 +254,7 @@ impl<S: PrefixStore> Router<S> {
             next_round_robin: 0,
             last_cold: vec![None; endpoints],
             cold_clock: 0,
+            growth: GroupGrowth::default(),
         }
     }
 
@@ -137,63 +274,124 @@ impl<S: PrefixStore> Router<S> {
         &mut self.store
     }
 
+    /// Blocks of each chain of `hashes` `endpoint` is believed to hold.
+    pub fn matched_per_chain(&self, endpoint: usize, hashes: &BlockHashes) -> Vec<usize> {
+        hashes
+            .chains
+            .iter()
+            .map(|chain| self.store.longest_match(endpoint, chain))
+            .collect()
+    }
+
     /// Blocks of `hashes` each endpoint is believed to hold (summed over the request's chains).
     pub fn matched_blocks(&self, hashes: &BlockHashes) -> Vec<usize> {
         (0..self.endpoints)
-            .map(|e| {
-                hashes
-                    .chains
-                    .iter()
-                    .map(|chain| self.store.longest_match(e, chain))
-                    .sum()
-            })
+            .map(|e| self.matched_per_chain(e, hashes).iter().sum())
             .collect()
     }
 
     /// Chooses an endpoint for a request. `loads` has one entry per endpoint; a missing entry
     /// counts as unmeasured. Never fails: with no endpoints at all it returns endpoint 0 of an
     /// empty decision, which callers guard against by configuration.
+    ///
+    /// The steps: [`eligibility`] → scores (every scorer, or the latency prediction) → picker
+    /// (max score, exact ties by a seeded draw) → runner-up.
     pub fn pick(&mut self, hashes: &BlockHashes, loads: &[EndpointLoad]) -> Decision {
         let n = self.endpoints;
         let loads: Vec<EndpointLoad> = (0..n)
             .map(|i| loads.get(i).copied().unwrap_or_default())
             .collect();
-        let all_down = n > 0 && loads.iter().all(|l| l.down);
-        let mut eligible: Vec<bool> = loads.iter().map(|l| all_down || !l.down).collect();
-        let mut saturated = vec![false; n];
-        if self.config.policy == Policy::Prefix {
-            let limits = self.config.saturation;
-            for (i, load) in loads.iter().enumerate() {
-                saturated[i] = load.queue.is_some_and(|q| q >= limits.queue_threshold)
-                    || load.kv_usage.is_some_and(|u| u >= limits.kv_threshold);
-            }
-            if (0..n).any(|i| eligible[i] && !saturated[i]) {
-                for i in 0..n {
-                    eligible[i] &= !saturated[i];
-                }
-            }
+        let policy = self.config.policy;
+        let filter = eligibility(policy, &loads, self.config.saturation);
+        let matched: Vec<Vec<usize>> = (0..n).map(|e| self.matched_per_chain(e, hashes)).collect();
+        let cold = !matched
+            .iter()
+            .zip(&filter.eligible)
+            .any(|(m, &ok)| ok && m.iter().any(|&b| b > 0));
+        let continues: Vec<bool> = (0..n)
+            .map(|e| {
+                hashes
+                    .chains
+                    .iter()
+                    .zip(&matched[e])
+                    .any(|(chain, &m)| self.store.continues(e, chain, m))
+            })
+            .collect();
+        let continuation = continues
+            .iter()
+            .zip(&filter.eligible)
+            .any(|(&c, &ok)| c && ok);
+        let mut scores = self.score(hashes, &matched, &continues, &loads, &filter, cold);
+        let (endpoint, tie) = match policy {
+            Policy::RoundRobin => (self.next_in_rotation(&filter.eligible), false),
+            Policy::Random => (self.random_eligible(&filter.eligible), false),
+            _ => self.max_score(&scores, &filter.eligible),
+        };
+        let runner_up = match policy {
+            Policy::RoundRobin | Policy::Random => None,
+            _ => best_other(&scores, &filter.eligible, endpoint),
+        };
+        if n == 0 {
+            scores.clear();
         }
+        Decision {
+            endpoint,
+            policy,
+            total_blocks: hashes.total_blocks(),
+            total_tokens: hashes.total_tokens(),
+            scores,
+            runner_up,
+            cold,
+            tie,
+            all_down: filter.all_down,
+            continuation,
+        }
+    }
 
-        let matched = self.matched_blocks(hashes);
+    /// Every scorer's output per endpoint and the policy's total.
+    fn score(
+        &self,
+        hashes: &BlockHashes,
+        matched: &[Vec<usize>],
+        continues: &[bool],
+        loads: &[EndpointLoad],
+        filter: &Eligibility,
+        cold: bool,
+    ) -> Vec<EndpointScores> {
         let total_blocks = hashes.total_blocks();
         let total_tokens = hashes.total_tokens();
-        let cold = !matched.iter().zip(&eligible).any(|(&m, &ok)| ok && m > 0);
-        let queue = queue_scores(&loads);
-        let kv = kv_cache_scores(&loads);
+        let queue = queue_scores(loads);
+        let kv = kv_cache_scores(loads);
         let lru = no_hit_lru_scores(!cold, &self.last_cold);
         let block_size = hashes.block_size.max(1);
-
         let w = self.config.weights;
-        let mut scores: Vec<EndpointScores> = (0..n)
+        let future_blocks = self.growth.future_blocks();
+        (0..loads.len())
             .map(|i| {
-                let matched_tokens = (matched[i] * block_size).min(total_tokens);
+                let matched_blocks: usize = matched[i].iter().sum();
+                let matched_tokens = (matched_blocks * block_size).min(total_tokens);
                 let prefix = prefix_score(
-                    matched[i],
+                    matched_blocks,
                     total_blocks,
                     matched_tokens,
                     self.config.match_length,
                 );
+                let room = self.store.room(i);
+                let prediction = (self.config.policy == Policy::Latency).then(|| {
+                    predict(
+                        hashes,
+                        &matched[i],
+                        room,
+                        Footprint {
+                            continues: continues[i],
+                            future_blocks,
+                        },
+                        &loads[i].latency,
+                        &self.config.latency,
+                    )
+                });
                 let total = match self.config.policy {
+                    Policy::Latency => prediction.map_or(0.0, |p| -p.cost_ms),
                     Policy::Prefix => {
                         w.prefix * prefix
                             + w.queue * queue[i]
@@ -205,60 +403,90 @@ impl<S: PrefixStore> Router<S> {
                     Policy::RoundRobin | Policy::Random => 0.0,
                 };
                 EndpointScores {
-                    matched_blocks: matched[i],
+                    matched_blocks,
                     prefix,
                     queue: queue[i],
                     kv_cache: kv[i],
                     no_hit_lru: lru[i],
                     total,
-                    excluded: !eligible[i],
-                    saturated: saturated[i],
+                    excluded: !filter.eligible[i],
+                    saturated: filter.saturated[i],
+                    prediction,
+                    room,
+                    continues: continues[i],
                 }
             })
-            .collect();
-
-        let (endpoint, tie) = match self.config.policy {
-            Policy::RoundRobin => (self.next_in_rotation(&eligible), false),
-            Policy::Random => (self.random_eligible(&eligible), false),
-            _ => self.max_score(&scores, &eligible),
-        };
-        let runner_up = match self.config.policy {
-            Policy::RoundRobin | Policy::Random => None,
-            _ => best_other(&scores, &eligible, endpoint),
-        };
-        if n == 0 {
-            scores.clear();
-        }
-        Decision {
-            endpoint,
-            policy: self.config.policy,
-            total_blocks,
-            total_tokens,
-            scores,
-            runner_up,
-            cold,
-            tie,
-            all_down,
-        }
+            .collect()
     }
 
-    /// Records a decision: the chosen endpoint now (believably) holds the request's blocks.
+    /// Records a decision: the chosen endpoint now (believably) holds the request's blocks,
+    /// and the request's full blocks end where the next request of its group will continue.
     pub fn commit(&mut self, decision: &Decision, hashes: &BlockHashes) {
         if decision.endpoint >= self.endpoints {
             return;
         }
-        for chain in &hashes.chains {
-            self.store.record(decision.endpoint, chain);
+        let endpoint = decision.endpoint;
+        let block_size = hashes.block_size.max(1);
+        for (chain, &tokens) in hashes.chains.iter().zip(&hashes.tokens) {
+            self.store.record(endpoint, chain);
+            if let Some(&end) = chain.get((tokens / block_size).wrapping_sub(1)) {
+                self.store.mark_end(endpoint, end);
+            }
         }
+        let new_blocks = decision.total_blocks.saturating_sub(
+            decision
+                .scores
+                .get(endpoint)
+                .map_or(0, |s| s.matched_blocks),
+        );
+        self.growth.observe(decision.continuation, new_blocks);
         if decision.cold {
             self.cold_clock += 1;
             self.last_cold[decision.endpoint] = Some(self.cold_clock);
         }
     }
 
+    /// The chosen endpoint's prediction, also under policies that do not predict (a proxy
+    /// accounts every request's prefill work the same way). Call before `commit`.
+    pub fn prediction_for(
+        &self,
+        decision: &Decision,
+        hashes: &BlockHashes,
+        load: &EndpointLoad,
+    ) -> Prediction {
+        if let Some(p) = decision.prediction() {
+            return *p;
+        }
+        let e = decision.endpoint;
+        predict(
+            hashes,
+            &self.matched_per_chain(e, hashes),
+            self.store.room(e),
+            Footprint::default(),
+            &load.latency,
+            &self.config.latency,
+        )
+    }
+
     /// Forgets an endpoint's blocks (e.g. after it restarted with an empty cache).
     pub fn forget_endpoint(&mut self, endpoint: usize) {
         self.store.forget_endpoint(endpoint);
+    }
+
+    /// Bounds an endpoint's believed cache by its real capacity (see
+    /// [`PrefixStore::set_capacity`]).
+    pub fn set_capacity(&mut self, endpoint: usize, blocks: usize) {
+        self.store.set_capacity(endpoint, blocks);
+    }
+
+    /// How groups grow, as learned so far.
+    pub fn growth(&self) -> GroupGrowth {
+        self.growth
+    }
+
+    /// Replaces the learned growth, e.g. with the view a proxy shares between its workers.
+    pub fn set_growth(&mut self, growth: GroupGrowth) {
+        self.growth = growth;
     }
 
     /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =
@@ -298,7 +526,8 @@ impl<S: PrefixStore> Router<S> {
     }
 
     /// Max-score picker; exact ties are broken by a seeded random draw so that equal endpoints
-    /// share load instead of the first one taking everything.
+    /// share load instead of the first one taking everything. Under `latency`, see
+    /// [`latency_tied`].
     fn max_score(&mut self, scores: &[EndpointScores], eligible: &[bool]) -> (usize, bool) {
         let best = scores
             .iter()
@@ -306,15 +535,47 @@ impl<S: PrefixStore> Router<S> {
             .filter(|(_, &ok)| ok)
             .map(|(s, _)| s.total)
             .fold(f64::NEG_INFINITY, f64::max);
-        let tied: Vec<usize> = (0..scores.len())
-            .filter(|&i| eligible[i] && scores[i].total == best)
-            .collect();
+        let tied: Vec<usize> = if self.config.policy == Policy::Latency {
+            latency_tied(scores, eligible, -best)
+        } else {
+            (0..scores.len())
+                .filter(|&i| eligible[i] && scores[i].total == best)
+                .collect()
+        };
         match tied.len() {
             0 => (0, false),
             1 => (tied[0], false),
             k => (tied[draw_index(&mut self.rng, k)], true),
         }
     }
+}
+
+/// Predicted costs closer than this share of the best one (or than [`TIE_MS`]) are equal:
+/// the prediction is not more precise than that (learned rates of identical replicas differ
+/// by a few percent of noise).
+pub const TIE_SHARE: f64 = 0.02;
+pub const TIE_MS: f64 = 1.0;
+
+/// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
+/// narrowed to those with the most free believed cache (a new prefix goes where it fits, as
+/// sglang-router's "smallest tree"), then to those with the fewest requests holding their
+/// lanes (the next request will find one free).
+fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) -> Vec<usize> {
+    let tolerance = (best_cost.abs() * TIE_SHARE).max(TIE_MS);
+    let mut tied: Vec<usize> = (0..scores.len())
+        .filter(|&i| eligible[i] && -scores[i].total <= best_cost + tolerance)
+        .collect();
+    let free = |i: usize| scores[i].room.free_blocks();
+    if let Some(most) = tied.iter().map(|&i| free(i)).max() {
+        tied.retain(|&i| free(i) == most);
+    }
+    let holders = |i: usize| scores[i].prediction.map_or(0.0, |p| p.backlog.holders);
+    let fewest = tied
+        .iter()
+        .map(|&i| holders(i))
+        .fold(f64::INFINITY, f64::min);
+    tied.retain(|&i| holders(i) == fewest);
+    tied
 }
 
 /// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
@@ -447,7 +708,8 @@ mod tests {
         b.set_last_cold(a.last_cold());
         let h = hashes("second tenant");
         let (da, db) = (a.pick(&h, &idle(3)), b.pick(&h, &idle(3)));
-        assert_eq!(db.scores, da.scores);
+        let totals = |d: &Decision| d.scores.iter().map(|s| s.total).collect::<Vec<_>>();
+        assert_eq!(totals(&db), totals(&da));
         assert_ne!(db.endpoint, d.endpoint);
         b.commit(&db, &h);
         assert_eq!(

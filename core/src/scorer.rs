@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::latency::{EndpointWork, LatencyInputs, ServerQueue};
+
 /// What the router knows about one endpoint's load at decision time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct EndpointLoad {
@@ -15,6 +17,9 @@ pub struct EndpointLoad {
     pub kv_usage: Option<f64>,
     /// The endpoint is known to be failing and must not be picked while others are up.
     pub down: bool,
+    /// What the `latency` policy predicts from: the router's own work on the endpoint, its
+    /// scraped queue and its learned prefill model.
+    pub latency: LatencyInputs,
 }
 
 impl EndpointLoad {
@@ -23,36 +28,46 @@ impl EndpointLoad {
             queue: Some(queue),
             kv_usage: Some(kv_usage),
             down: false,
+            latency: LatencyInputs::default(),
         }
     }
 }
 
 /// The load the router assumes for an endpoint, from its last fresh scrape (if any) and the
-/// requests this router has in flight to it.
+/// requests this router has in flight to it (`work`, summed over every worker).
 ///
 /// A scrape is a snapshot; requests sent since are not in it. The router's own in-flight count
 /// covers what the server runs, what it queues and what is still on the wire, so
 /// `in_flight − running` is a lower bound on what waits there now; the queue estimate is the
 /// larger of that and the scraped queue. Without a fresh scrape the endpoint is unmeasured.
+/// The latency inputs get the work and the scraped queue; the caller adds the endpoint's
+/// learned prefill model.
 pub fn estimate_load(
     metrics: Option<&crate::metrics::EngineMetrics>,
-    in_flight: u32,
+    work: EndpointWork,
     down: bool,
 ) -> EndpointLoad {
+    let mut latency = LatencyInputs {
+        work,
+        ..LatencyInputs::default()
+    };
     let Some(m) = metrics else {
         return EndpointLoad {
             queue: None,
             kv_usage: None,
             down,
+            latency,
         };
     };
     let waiting = m.num_requests_waiting.unwrap_or(0.0).max(0.0);
     let running = m.num_requests_running.unwrap_or(0.0).max(0.0);
-    let unseen = (f64::from(in_flight) - running).max(0.0);
+    let unseen = (f64::from(work.in_flight) - running).max(0.0);
+    latency.server = Some(ServerQueue { waiting, running });
     EndpointLoad {
         queue: Some(waiting.max(unseen)),
         kv_usage: m.kv_cache_usage_perc.map(|u| u.clamp(0.0, 1.0)),
         down,
+        latency,
     }
 }
 
@@ -187,10 +202,24 @@ mod tests {
             kv_cache_usage_perc: Some(0.5),
             ..EngineMetrics::default()
         };
-        assert_eq!(estimate_load(Some(&m), 3, false).queue, Some(2.0));
-        assert_eq!(estimate_load(Some(&m), 9, false).queue, Some(5.0));
-        assert_eq!(estimate_load(Some(&m), 9, false).kv_usage, Some(0.5));
-        let unmeasured = estimate_load(None, 9, true);
+        let work = |in_flight| EndpointWork {
+            in_flight,
+            ..EndpointWork::default()
+        };
+        assert_eq!(estimate_load(Some(&m), work(3), false).queue, Some(2.0));
+        assert_eq!(estimate_load(Some(&m), work(9), false).queue, Some(5.0));
+        let load = estimate_load(Some(&m), work(9), false);
+        assert_eq!(load.kv_usage, Some(0.5));
+        assert_eq!(
+            load.latency.server,
+            Some(ServerQueue {
+                waiting: 2.0,
+                running: 4.0
+            })
+        );
+        assert_eq!(load.latency.work.in_flight, 9);
+        let unmeasured = estimate_load(None, work(9), true);
+        assert_eq!(unmeasured.latency.server, None);
         assert_eq!(
             (unmeasured.queue, unmeasured.kv_usage, unmeasured.down),
             (None, None, true)

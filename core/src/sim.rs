@@ -4,11 +4,21 @@
 //! usage at that instant (a perfectly fresh scrape), picks, the replica serves (its own prefix
 //! cache decides hits, not the router's belief), and the router commits. It is stepwise so the
 //! web demo can show one decision at a time.
+//!
+//! The router also keeps what a proxy keeps: the requests it has in flight per replica and the
+//! prefill work of those whose first byte has not come back ([`EndpointWork`]), released when
+//! the first byte and the end of each response happen in simulated time; the prefill rate it
+//! learns from those first bytes; the lanes it learns from the scrapes; and each replica's
+//! cache capacity as its metrics report it (`num_gpu_blocks`), which bounds the belief.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::hashing::{hash_request, BlockHashes};
+use crate::latency::{Observation, RequestLedger, ServerQueue};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::request::{parse_value, RequestError};
 use crate::router::{Decision, EndpointLoad, Router, RouterConfig};
@@ -31,10 +41,15 @@ pub enum SimError {
 
 /// The simulated fleet and the router in front of it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct SimConfig {
     pub replicas: usize,
     /// Prefix-cache capacity of each replica, in blocks.
     pub cache_blocks: usize,
+    /// The replicas report their capacity (vLLM's `cache_config_info`), so the router bounds
+    /// its belief by it. Without, the belief keeps `router.index_capacity_blocks` (llm-d's
+    /// 31,250 by default) and does not see a cache fill up.
+    pub capacity_reported: bool,
     pub timing: ReplicaTiming,
     pub router: RouterConfig,
 }
@@ -44,6 +59,7 @@ impl Default for SimConfig {
         SimConfig {
             replicas: 3,
             cache_blocks: 64,
+            capacity_reported: true,
             timing: ReplicaTiming::default(),
             router: RouterConfig::default(),
         }
@@ -124,12 +140,57 @@ pub fn prepare(trace: &[TraceRecord], router: &RouterConfig) -> Result<Vec<SimRe
         .collect()
 }
 
+/// Something the router learns at a point of simulated time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Signal {
+    /// The first response byte: the request's prefill is done.
+    FirstByte {
+        endpoint: usize,
+        uncached_tokens: u64,
+        observation: Observation,
+    },
+    /// The response ended: the request no longer holds a lane.
+    Done { endpoint: usize },
+}
+
+/// A signal due at `at_ms`; `seq` keeps equal times in the order they were scheduled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Due {
+    at_ms: f64,
+    seq: u64,
+    signal: Signal,
+}
+
+impl Eq for Due {}
+
+impl Ord for Due {
+    /// Reversed, so that `BinaryHeap` (a max-heap) pops the earliest first.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other
+            .at_ms
+            .total_cmp(&self.at_ms)
+            .then(other.seq.cmp(&self.seq))
+    }
+}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 /// A run in progress.
 pub struct Simulation {
     requests: Vec<SimRequest>,
     router: Router,
     replicas: Vec<ReplicaSim>,
     steps: Vec<Step>,
+    /// The router's account of its requests, as the plugin keeps it in shared data.
+    ledger: RequestLedger,
+    /// First bytes the ledger refused as observations (absurd timings).
+    refused_observations: u64,
+    due: BinaryHeap<Due>,
+    seq: u64,
 }
 
 impl Simulation {
@@ -139,9 +200,26 @@ impl Simulation {
             return Err(SimError::NoReplicas);
         }
         let requests = prepare(trace, &config.router)?;
+        let mut router = Router::new(config.router, config.replicas);
+        // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in the
+        // router's block size; the belief is bounded by it from the first request on (never
+        // above the configured bound, as in the plugin).
+        if config.capacity_reported {
+            for e in 0..config.replicas {
+                router.set_capacity(
+                    e,
+                    config.cache_blocks.min(config.router.index_capacity_blocks),
+                );
+            }
+        }
+        let n = config.replicas;
         Ok(Simulation {
             requests,
-            router: Router::new(config.router, config.replicas),
+            router,
+            ledger: RequestLedger::new(n),
+            refused_observations: 0,
+            due: BinaryHeap::new(),
+            seq: 0,
             replicas: (0..config.replicas)
                 .map(|_| {
                     ReplicaSim::new(
@@ -171,6 +249,65 @@ impl Simulation {
         &self.steps
     }
 
+    pub fn ledger(&self) -> &RequestLedger {
+        &self.ledger
+    }
+
+    pub fn refused_observations(&self) -> u64 {
+        self.refused_observations
+    }
+
+    fn schedule(&mut self, at_ms: f64, signal: Signal) {
+        self.seq += 1;
+        self.due.push(Due {
+            at_ms,
+            seq: self.seq,
+            signal,
+        });
+    }
+
+    /// Delivers every signal due by `now_ms` to the router's ledger.
+    fn catch_up(&mut self, now_ms: f64) {
+        while self.due.peek().is_some_and(|d| d.at_ms <= now_ms) {
+            let Some(due) = self.due.pop() else { break };
+            match due.signal {
+                Signal::FirstByte {
+                    endpoint,
+                    uncached_tokens,
+                    observation,
+                } => {
+                    let latency = &self.router.config().latency;
+                    if self
+                        .ledger
+                        .first_byte(endpoint, uncached_tokens, Some(observation), latency)
+                        .is_err()
+                    {
+                        self.refused_observations += 1;
+                    }
+                }
+                Signal::Done { endpoint } => self.ledger.done(endpoint, None),
+            }
+        }
+    }
+
+    /// What the router knows of every replica at `now_ms`: a fresh scrape plus its ledger.
+    fn loads(&self, now_ms: f64) -> Vec<EndpointLoad> {
+        let latency = self.router.config().latency;
+        let (rates, lanes) = self.ledger.learned.estimate(&latency);
+        (0..self.replicas.len())
+            .map(|e| {
+                let r = &self.replicas[e];
+                let (waiting, running) = (r.waiting(now_ms) as f64, r.running(now_ms) as f64);
+                let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
+                load.latency.work = self.ledger.work[e];
+                load.latency.server = Some(ServerQueue { waiting, running });
+                load.latency.ms_per_token = Some(rates[e]);
+                load.latency.lanes = Some(lanes);
+                load
+            })
+            .collect()
+    }
+
     pub fn is_done(&self) -> bool {
         self.steps.len() >= self.requests.len()
     }
@@ -178,13 +315,10 @@ impl Simulation {
     /// Runs the next request; `None` when the trace is exhausted.
     pub fn step(&mut self) -> Option<&Step> {
         let index = self.steps.len();
-        let request = self.requests.get(index)?;
-        let now_ms = request.t * 1000.0;
-        let loads: Vec<EndpointLoad> = self
-            .replicas
-            .iter()
-            .map(|r| EndpointLoad::measured(r.waiting(now_ms) as f64, r.kv_usage(now_ms)))
-            .collect();
+        let now_ms = self.requests.get(index)?.t * 1000.0;
+        self.catch_up(now_ms);
+        let loads = self.loads(now_ms);
+        let request = &self.requests[index];
         let decision = self.router.pick(&request.hashes, &loads);
         let block_size = request.hashes.block_size;
         // The server caches full blocks only: the router's chain minus any partial tail.
@@ -195,13 +329,33 @@ impl Simulation {
             .zip(&request.hashes.tokens)
             .map(|(chain, &tokens)| (&chain[..(tokens / block_size).min(chain.len())], tokens))
             .collect();
-        let served =
-            self.replicas[decision.endpoint].admit(now_ms, &prompts, request.output_tokens);
+        let endpoint = decision.endpoint;
+        // The router's ledger: what it predicted it sent (its own belief, not the replica's
+        // truth), released at the first byte and at the end of the response.
+        let predicted = self
+            .router
+            .prediction_for(&decision, &request.hashes, &loads[endpoint]);
+        let served = self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens);
         self.router.commit(&decision, &request.hashes);
+        let (t, group) = (request.t, request.group.clone());
+        let uncached = predicted.uncached_tokens as u64;
+        self.ledger.sent(endpoint, uncached);
+        self.schedule(
+            now_ms + served.ttft_ms,
+            Signal::FirstByte {
+                endpoint,
+                uncached_tokens: uncached,
+                observation: Observation::of(&predicted, served.ttft_ms),
+            },
+        );
+        self.schedule(
+            served.finish_ms.max(now_ms + served.ttft_ms),
+            Signal::Done { endpoint },
+        );
         self.steps.push(Step {
             index,
-            t: request.t,
-            group: request.group.clone(),
+            t,
+            group,
             decision,
             served,
         });
@@ -266,6 +420,32 @@ pub fn simulate(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport, S
     let mut sim = Simulation::new(trace, config)?;
     sim.run();
     Ok(sim.report())
+}
+
+/// Policy name of the [`upper_bound`] report.
+pub const UPPER_BOUND: &str = "upper bound";
+
+/// The same trace on one server with unlimited cache and every replica's lanes: the hit rate
+/// no router over the fleet can beat (each prefix is computed once, then always found), and
+/// the TTFT of a fleet that never misses for lack of locality. "Unlimited" is exact: the
+/// cache has room for every block of the trace.
+pub fn upper_bound(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport, SimError> {
+    if config.replicas == 0 {
+        return Err(SimError::NoReplicas);
+    }
+    let blocks: usize = prepare(trace, &config.router)?
+        .iter()
+        .map(|r| r.hashes.total_blocks())
+        .sum();
+    let mut one = config;
+    one.replicas = 1;
+    one.cache_blocks = blocks.max(1);
+    one.router.index_capacity_blocks = one.router.index_capacity_blocks.max(one.cache_blocks);
+    one.timing.lanes = config.timing.lanes.max(1) * config.replicas;
+    one.router.policy = crate::config::Policy::RoundRobin;
+    let mut report = simulate(trace, one)?;
+    report.policy = UPPER_BOUND.to_string();
+    Ok(report)
 }
 
 #[cfg(test)]
@@ -354,7 +534,8 @@ mod tests {
         );
         let line = sim.steps()[3].summary(&replica_names(3));
         assert!(line.starts_with("#3 tenant-"), "{line}");
-        assert!(line.contains(" blocks, score "), "{line}");
+        assert!(line.contains(" uncached tokens, queue "), "{line}");
+        assert!(line.contains(" TTFT "), "{line}");
     }
 
     #[test]

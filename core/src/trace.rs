@@ -32,6 +32,9 @@ pub enum TraceShape {
     Conversations,
     /// Retrieval-augmented generation: a few long documents, many questions about each.
     Rag,
+    /// Nothing shared: every request is a new prompt of `prompt_words` words (its group is
+    /// the request itself), as batch jobs and first messages of new users are.
+    Unique,
 }
 
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -318,14 +321,14 @@ impl TraceSpec {
                     "You are the assistant of tenant {i}. {}",
                     words(&mut rng, self.prompt_words)
                 ),
-                TraceShape::Conversations => String::new(),
+                TraceShape::Conversations | TraceShape::Unique => String::new(),
                 TraceShape::Rag => format!("Document {i}: {}", words(&mut rng, self.prompt_words)),
             })
             .collect();
         let mut conversations: Vec<Vec<Value>> = vec![Vec::new(); self.tenants];
         let mut t = 0.0f64;
         let mut records = Vec::with_capacity(self.requests);
-        for _ in 0..self.requests {
+        for index in 0..self.requests {
             if self.rate > 0.0 {
                 // Exponential inter-arrival times make a Poisson process.
                 let u: f64 = rng.gen_range(f64::EPSILON..1.0);
@@ -334,6 +337,14 @@ impl TraceSpec {
             let g = self.pick_group(&mut rng);
             let question = words(&mut rng, self.question_words.max(1));
             let (group, messages) = match self.shape {
+                TraceShape::Unique => (
+                    format!("request-{index}"),
+                    vec![json!({
+                        "role": "user",
+                        // The request number first: no two prompts share even a first block.
+                        "content": format!("Request {index}. {} {question}", words(&mut rng, self.prompt_words)),
+                    })],
+                ),
                 TraceShape::Tenants => (
                     format!("tenant-{g}"),
                     vec![
@@ -503,6 +514,25 @@ mod tests {
             .map(|r| r.body["messages"].as_array().unwrap().len())
             .collect();
         assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+    }
+
+    #[test]
+    fn unique_requests_share_no_block() {
+        use crate::hashing::{hash_request, HashConfig};
+        let spec = TraceSpec {
+            shape: TraceShape::Unique,
+            prompt_words: 50,
+            requests: 40,
+            ..TraceSpec::default()
+        };
+        let trace = spec.generate().unwrap();
+        let mut first_blocks = std::collections::HashSet::new();
+        for record in &trace {
+            let parsed = crate::request::parse_value(&record.body).unwrap();
+            let hashes = hash_request(&parsed, HashConfig::default());
+            assert!(first_blocks.insert(hashes.chains[0][0]), "{}", record.group);
+        }
+        assert_eq!(trace[7].group, "request-7");
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub struct Args {
     /// What the trace exercises.
     #[arg(long, value_enum, default_value = "tenants")]
     shape: Shape,
-    /// Groups: tenants, conversations or documents.
+    /// Groups: tenants, conversations or documents (unused by `unique`).
     #[arg(long, default_value_t = 8)]
     tenants: usize,
     /// Words in each tenant's system prompt (or each document).
@@ -40,6 +40,8 @@ enum Shape {
     Tenants,
     Conversations,
     Rag,
+    /// Nothing shared: every request a new prompt.
+    Unique,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -48,6 +50,7 @@ pub fn run(args: Args) -> Result<()> {
             Shape::Tenants => TraceShape::Tenants,
             Shape::Conversations => TraceShape::Conversations,
             Shape::Rag => TraceShape::Rag,
+            Shape::Unique => TraceShape::Unique,
         },
         tenants: args.tenants,
         prompt_words: args.prompt_words,

@@ -1,0 +1,1223 @@
+//! The `latency` policy's model of an endpoint: the time to first token a request would see
+//! there, in milliseconds.
+//!
+//! A prefix hit saves prefill, and prefill is what a long prompt costs: ~1 s for a
+//! 1,000-token document at 1 ms per token, ~20 ms for its question alone. Counting waiting
+//! requests (the `prefix` policy) cannot weigh that; time can. For each eligible endpoint the
+//! router predicts
+//!
+//! ```text
+//! TTFT = overhead + queue wait + uncached tokens × ms per token
+//! ```
+//!
+//! * **uncached tokens**: the request's prompt minus what the endpoint is believed to hold,
+//!   with the server's rules (full blocks only, the last prompt token always computed);
+//! * **queue wait**: the endpoint serves `lanes` sequences at once; when every lane is taken,
+//!   the request waits for enough of the requests ahead of it to finish. What is ahead is
+//!   the prefill work the router itself sent there and has not seen a first byte of (summed
+//!   over every worker), plus requests the endpoint reports (`num_requests_waiting` +
+//!   `num_requests_running`) that the router did not send, e.g. another gateway's;
+//! * **ms per token**: learned per endpoint from what the router observes ([`PrefillRate`]).
+//!
+//! The prediction is a belief, as the prefix index is: it is only as good as the index and
+//! the learned rate. Placement adds one more term, the eviction cost (see [`predict`]): a
+//! request whose new blocks do not fit into what the endpoint's cache has free pushes out
+//! blocks some later request will need, and that later prefill is priced now.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::config::ConfigError;
+use crate::hashing::BlockHashes;
+
+/// Priors and bounds of the latency model (the `latency` section of the configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LatencyConfig {
+    /// Prefill cost per uncached token an endpoint starts with, before the router has
+    /// observed it (and what it falls back to when its observations are unusable).
+    pub prefill_ms_per_token: f64,
+    /// Bounds of the learned cost: an estimate outside them is clamped. They keep one absurd
+    /// stretch of observations (a stalled replica, a clock jump) from taking an endpoint out
+    /// of rotation for good, or from making it look free.
+    pub min_ms_per_token: f64,
+    pub max_ms_per_token: f64,
+    /// Fixed time per request besides prefill (network, scheduling, the first decode step).
+    pub overhead_ms: f64,
+    /// The most sequences an endpoint is assumed to prefill at once; the first bytes of
+    /// stacked requests show how many really do (see [`LaneFit`]), and until they do, this
+    /// stands. The default assumes no waiting: a wrong optimistic guess keeps requests with
+    /// their prefix and is corrected by the first observations, a wrong pessimistic one moves
+    /// them away and never is. Set 1 to assume one compute-bound prefill batch from the start.
+    pub lanes: u32,
+    /// How many tokens of observations the prior is worth: the fleet's learned cost moves
+    /// away from `prefill_ms_per_token` once the router has seen about this much prefill work.
+    pub prior_tokens: f64,
+    /// How many tokens of observations the fleet's cost is worth for each endpoint: one
+    /// endpoint's cost moves away from the fleet's once it alone has seen about this much.
+    /// Replicas of a pool are usually identical, so this is large: the noise in a few
+    /// observations must not make one replica look faster and attract every new prefix.
+    pub fleet_tokens: f64,
+    /// Observations older than about this many tokens of work are forgotten (an exponential
+    /// window), so the estimate follows a replica that becomes slower or faster.
+    pub window_tokens: f64,
+}
+
+impl Default for LatencyConfig {
+    fn default() -> Self {
+        LatencyConfig {
+            prefill_ms_per_token: 0.5,
+            min_ms_per_token: 0.001,
+            max_ms_per_token: 100.0,
+            overhead_ms: 5.0,
+            lanes: 256,
+            prior_tokens: 2048.0,
+            fleet_tokens: 16384.0,
+            window_tokens: 65536.0,
+        }
+    }
+}
+
+fn out_of_range(field: &'static str, expected: &'static str, got: f64) -> ConfigError {
+    ConfigError::OutOfRange {
+        field,
+        expected,
+        got: got.to_string(),
+    }
+}
+
+impl LatencyConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |field, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(out_of_range(field, "a finite number > 0", v))
+            }
+        };
+        positive("latency.min_ms_per_token", self.min_ms_per_token)?;
+        positive("latency.max_ms_per_token", self.max_ms_per_token)?;
+        positive("latency.prior_tokens", self.prior_tokens)?;
+        positive("latency.fleet_tokens", self.fleet_tokens)?;
+        positive("latency.window_tokens", self.window_tokens)?;
+        if self.min_ms_per_token > self.max_ms_per_token {
+            return Err(out_of_range(
+                "latency.min_ms_per_token",
+                "at most latency.max_ms_per_token",
+                self.min_ms_per_token,
+            ));
+        }
+        let prior = self.prefill_ms_per_token;
+        if !(prior.is_finite() && (self.min_ms_per_token..=self.max_ms_per_token).contains(&prior))
+        {
+            return Err(out_of_range(
+                "latency.prefill_ms_per_token",
+                "between latency.min_ms_per_token and latency.max_ms_per_token",
+                prior,
+            ));
+        }
+        if !(self.overhead_ms.is_finite() && (0.0..=60_000.0).contains(&self.overhead_ms)) {
+            return Err(out_of_range(
+                "latency.overhead_ms",
+                "in 0..60000",
+                self.overhead_ms,
+            ));
+        }
+        if !(1..=MAX_LANES).contains(&self.lanes) {
+            return Err(out_of_range(
+                "latency.lanes",
+                "in 1..4096",
+                f64::from(self.lanes),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Lanes beyond this are not believed (a scrape reporting more is garbage or not a queue).
+pub const MAX_LANES: u32 = 4096;
+
+/// Time to first byte longer than this is not a prefill observation (an hour: a stalled
+/// connection, a suspended process, a clock jump).
+pub const MAX_OBSERVED_MS: f64 = 3_600_000.0;
+
+/// Why an observation was not used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum ObservationError {
+    #[error("elapsed time is not a finite number of milliseconds above 0")]
+    NotPositive,
+    #[error("elapsed time is longer than an hour")]
+    TooLong,
+    #[error("predicted work is not a finite number of tokens")]
+    BadWork,
+}
+
+/// What the router saw of one request: the endpoint's backlog when it was sent, its own
+/// uncached tokens, the model the prediction used, and the time from sending it to its first
+/// response byte.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Observation {
+    pub backlog: Backlog,
+    pub uncached_tokens: f64,
+    /// Cost per token and lanes the prediction used.
+    pub ms_per_token: f64,
+    pub lanes: u32,
+    pub elapsed_ms: f64,
+}
+
+impl Observation {
+    /// What a request routed with `prediction` would tell, once its first byte came back after
+    /// `elapsed_ms`.
+    pub fn of(prediction: &Prediction, elapsed_ms: f64) -> Self {
+        Observation {
+            backlog: prediction.backlog,
+            uncached_tokens: prediction.uncached_tokens as f64,
+            ms_per_token: prediction.ms_per_token,
+            lanes: prediction.lanes,
+            elapsed_ms,
+        }
+    }
+
+    /// The prefill work the request waited for and computed, by the prediction's model.
+    pub fn work_tokens(&self) -> f64 {
+        self.uncached_tokens + self.backlog.queue(self.lanes).1
+    }
+
+    pub fn check(&self) -> Result<(), ObservationError> {
+        if !(self.elapsed_ms.is_finite() && self.elapsed_ms > 0.0) {
+            return Err(ObservationError::NotPositive);
+        }
+        if self.elapsed_ms > MAX_OBSERVED_MS {
+            return Err(ObservationError::TooLong);
+        }
+        let finite = |v: f64| v.is_finite() && v >= 0.0;
+        if !(finite(self.uncached_tokens)
+            && finite(self.backlog.holders)
+            && finite(self.backlog.pending_tokens)
+            && finite(self.ms_per_token))
+        {
+            return Err(ObservationError::BadWork);
+        }
+        Ok(())
+    }
+}
+
+/// An endpoint's learned prefill cost, as two decayed sums.
+///
+/// The estimator is a ratio of sums, `Σ busy ms / Σ work tokens`, over a window of recent
+/// observations, where busy = elapsed − overhead and work = the tokens the request was
+/// predicted to wait for plus its own uncached tokens. A ratio of sums, unlike a mean of
+/// per-request ratios, weighs each observation by its work: a fully cached request (a few
+/// tokens, a few ms of noise) barely moves it, a cold 4,000-token prompt moves it a lot.
+///
+/// Each endpoint's estimate is shrunk towards the fleet's (see [`estimate_rates`]): the
+/// fleet's pooled observations, themselves starting from the configured prior with a weight
+/// of `prior_tokens`, are worth `fleet_tokens` of pseudo-work for every endpoint. So a replica
+/// the router has not observed yet costs what the fleet costs, not the configured guess
+/// (which would make it look faster or slower than the replicas it has seen, and attract or
+/// repel traffic for no reason), and a replica that really is slower moves away from the fleet
+/// as its own evidence grows. The results are clamped to the configured bounds. With
+/// non-streaming responses the first byte comes after decoding, so the learned cost includes
+/// decode time; it is then an effective cost per prefill token, which is what ranking
+/// endpoints needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefillRate {
+    pub busy_ms: f64,
+    pub work_tokens: f64,
+}
+
+impl PrefillRate {
+    pub fn usable(&self) -> bool {
+        let (busy, work) = (self.busy_ms, self.work_tokens);
+        busy.is_finite() && work.is_finite() && busy >= 0.0 && work >= 0.0
+    }
+
+    /// Milliseconds per uncached token from these observations, shrunk towards `prior` (ms
+    /// per token) with a weight of `weight_tokens`, clamped to the bounds.
+    pub fn ms_per_token_towards(
+        &self,
+        prior: f64,
+        weight_tokens: f64,
+        config: &LatencyConfig,
+    ) -> f64 {
+        let prior = prior.clamp(config.min_ms_per_token, config.max_ms_per_token);
+        if !self.usable() {
+            return prior;
+        }
+        let estimate = (self.busy_ms + prior * weight_tokens) / (self.work_tokens + weight_tokens);
+        estimate.clamp(config.min_ms_per_token, config.max_ms_per_token)
+    }
+
+    /// Milliseconds per uncached token from these observations and the configured prior.
+    pub fn ms_per_token(&self, config: &LatencyConfig) -> f64 {
+        self.ms_per_token_towards(config.prefill_ms_per_token, config.prior_tokens, config)
+    }
+
+    /// Adds an observation; an unusable one (zero, negative, hours, not a number) changes
+    /// nothing and says why, for the caller to count.
+    pub fn observe(
+        &mut self,
+        observation: Observation,
+        config: &LatencyConfig,
+    ) -> Result<(), ObservationError> {
+        observation.check()?;
+        let busy = (observation.elapsed_ms - config.overhead_ms).max(0.0);
+        self.busy_ms += busy;
+        self.work_tokens += observation.work_tokens();
+        if self.work_tokens > config.window_tokens {
+            // Exponential forgetting by work, not by count: scale both sums back to the window.
+            let keep = config.window_tokens / self.work_tokens;
+            self.busy_ms *= keep;
+            self.work_tokens *= keep;
+        }
+        if !(self.busy_ms.is_finite() && self.work_tokens.is_finite()) {
+            *self = PrefillRate::default();
+        }
+        Ok(())
+    }
+}
+
+/// Every endpoint's cost per token: its own evidence shrunk towards the fleet's pooled
+/// evidence, which is shrunk towards the configured prior (see [`PrefillRate`]). Unusable
+/// (corrupt) sums count as no evidence.
+pub fn estimate_rates(rates: &[PrefillRate], config: &LatencyConfig) -> Vec<f64> {
+    let pooled = rates
+        .iter()
+        .filter(|r| r.usable())
+        .fold(PrefillRate::default(), |acc, r| PrefillRate {
+            busy_ms: acc.busy_ms + r.busy_ms,
+            work_tokens: acc.work_tokens + r.work_tokens,
+        });
+    let fleet = pooled.ms_per_token(config);
+    rates
+        .iter()
+        .map(|r| r.ms_per_token_towards(fleet, config.fleet_tokens, config))
+        .collect()
+}
+
+/// The lane counts the router chooses between (see [`LaneFit`]).
+pub const LANE_MODELS: [u32; 8] = [1, 2, 4, 8, 16, 32, 64, 256];
+
+/// Which queue model explains an endpoint's first bytes best.
+///
+/// How much a request waits for the prefill work ahead of it depends on the server: vLLM runs
+/// prefill as one compute-bound batch, so a request waits for all of it (one lane); a server
+/// that runs sequences independently makes it wait only when every lane is busy. The scrape
+/// cannot tell them apart (vLLM reports hundreds of running sequences that still share one
+/// GPU), the first bytes can: for every observation the router replays the prediction under
+/// each lane count in [`LANE_MODELS`], and adds to each model its *excess* squared log error
+/// over the best model for that observation. An observation with nothing ahead predicts the
+/// same under every model and adds nothing; one with a backlog separates them. The sums decay,
+/// so the fit follows a server that changes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LaneFit {
+    pub excess: [f64; LANE_MODELS.len()],
+}
+
+/// How fast a [`LaneFit`] forgets: each observation keeps this share of the old evidence.
+const LANE_FIT_KEEP: f64 = 0.98;
+
+/// Excess error within which a model counts as good as the best: half the squared log error
+/// of one request that took 2× (or ½) its prediction.
+const LANE_FIT_TOLERANCE: f64 = 0.5 * std::f64::consts::LN_2 * std::f64::consts::LN_2;
+
+impl LaneFit {
+    /// Adds an observation (already checked) to every model's excess error.
+    fn observe(&mut self, observation: &Observation, config: &LatencyConfig) {
+        let obs = observation.elapsed_ms;
+        let errors = LANE_MODELS.map(|lanes| {
+            let (_, queue_tokens) = observation.backlog.queue(lanes);
+            let predicted = config.overhead_ms
+                + observation.ms_per_token * (observation.uncached_tokens + queue_tokens);
+            let miss = (predicted.max(1e-3) / obs).ln();
+            miss * miss
+        });
+        let best = errors.iter().copied().fold(f64::INFINITY, f64::min);
+        for (excess, error) in self.excess.iter_mut().zip(errors) {
+            *excess = *excess * LANE_FIT_KEEP + (error - best);
+            if !excess.is_finite() {
+                *excess = 0.0;
+            }
+        }
+    }
+}
+
+/// The fleet's lane count: the largest lane count, up to the configured `lanes`, whose excess
+/// error pooled over every endpoint is within a tolerance of the best model's.
+///
+/// Why the largest: observations with `k` requests ahead cannot tell `k + 1` lanes from 256,
+/// and the choice decides what the router will see next. Assuming few lanes makes it avoid
+/// stacking requests, so it never observes whether more would have run at once: the mistake
+/// confirms itself. Assuming many makes it stack requests where the prefix is, and if that
+/// was wrong their first bytes say so and the fit moves down: the mistake corrects itself,
+/// and in the meantime it errs towards locality.
+pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
+    let mut pooled = [0.0f64; LANE_MODELS.len()];
+    for fit in fits {
+        for (sum, e) in pooled.iter_mut().zip(fit.excess) {
+            if e.is_finite() && e >= 0.0 {
+                *sum += e;
+            }
+        }
+    }
+    let cap = config.lanes.clamp(1, MAX_LANES);
+    let allowed = |l: u32| l <= cap;
+    let least = LANE_MODELS
+        .iter()
+        .zip(pooled)
+        .filter(|&(&l, _)| allowed(l))
+        .map(|(_, e)| e)
+        .fold(f64::INFINITY, f64::min);
+    LANE_MODELS
+        .iter()
+        .zip(pooled)
+        .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
+        .map(|(&l, _)| l)
+        .max()
+        .unwrap_or(1)
+        .min(cap)
+}
+
+/// What the router learns from first bytes: every endpoint's prefill rate and the fleet's
+/// lane fit. A proxy keeps one per worker and adds them up (see [`LearnedModel::add`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LearnedModel {
+    pub rates: Vec<PrefillRate>,
+    pub lanes: LaneFit,
+}
+
+impl LearnedModel {
+    pub fn new(endpoints: usize) -> Self {
+        LearnedModel {
+            rates: vec![PrefillRate::default(); endpoints],
+            lanes: LaneFit::default(),
+        }
+    }
+
+    /// Learns from one first byte of a request to `endpoint`; an unusable observation changes
+    /// nothing and says why.
+    pub fn observe(
+        &mut self,
+        endpoint: usize,
+        observation: Observation,
+        config: &LatencyConfig,
+    ) -> Result<(), ObservationError> {
+        let Some(rate) = self.rates.get_mut(endpoint) else {
+            return Err(ObservationError::BadWork);
+        };
+        rate.observe(observation, config)?;
+        self.lanes.observe(&observation, config);
+        Ok(())
+    }
+
+    /// Adds another learner's evidence (another worker's): the sums simply add up. Corrupt
+    /// (non-finite or negative) sums are left out.
+    pub fn add(&mut self, other: &LearnedModel) {
+        if self.rates.len() < other.rates.len() {
+            self.rates.resize(other.rates.len(), PrefillRate::default());
+        }
+        for (mine, theirs) in self.rates.iter_mut().zip(&other.rates) {
+            if theirs.usable() {
+                mine.busy_ms += theirs.busy_ms;
+                mine.work_tokens += theirs.work_tokens;
+            }
+        }
+        for (mine, theirs) in self.lanes.excess.iter_mut().zip(other.lanes.excess) {
+            if theirs.is_finite() && theirs >= 0.0 {
+                *mine += theirs;
+            }
+        }
+    }
+
+    /// Every endpoint's cost per token and the fleet's lanes.
+    pub fn estimate(&self, config: &LatencyConfig) -> (Vec<f64>, u32) {
+        (
+            estimate_rates(&self.rates, config),
+            estimate_lanes(&[self.lanes], config),
+        )
+    }
+}
+
+/// The router's own requests on one endpoint, summed over every worker: all that are in
+/// flight (each holds a lane until its stream ends) and, of those, the ones whose first
+/// response byte has not come back, with the uncached tokens predicted for them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointWork {
+    pub in_flight: u32,
+    pub prefilling: u32,
+    pub prefill_tokens: u64,
+}
+
+/// A router's account of its own requests per endpoint ([`EndpointWork`]) and what it learns
+/// from their first bytes ([`LearnedModel`]): a request is *sent* with the uncached tokens
+/// predicted for it, its *first byte* releases that prefill work (and teaches the model), and
+/// it is *done* when its stream ends. Every release saturates at zero, so a duplicate or
+/// stray release cannot underflow the account.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestLedger {
+    pub work: Vec<EndpointWork>,
+    pub learned: LearnedModel,
+}
+
+impl RequestLedger {
+    pub fn new(endpoints: usize) -> Self {
+        RequestLedger {
+            work: vec![EndpointWork::default(); endpoints],
+            learned: LearnedModel::new(endpoints),
+        }
+    }
+
+    pub fn sent(&mut self, endpoint: usize, uncached_tokens: u64) {
+        if let Some(w) = self.work.get_mut(endpoint) {
+            w.in_flight = w.in_flight.saturating_add(1);
+            w.prefilling = w.prefilling.saturating_add(1);
+            w.prefill_tokens = w.prefill_tokens.saturating_add(uncached_tokens);
+        }
+    }
+
+    /// The first byte of a request sent with `uncached_tokens`; with an observation the model
+    /// learns from it (`Err` says why it was refused; the work is released either way).
+    pub fn first_byte(
+        &mut self,
+        endpoint: usize,
+        uncached_tokens: u64,
+        observation: Option<Observation>,
+        config: &LatencyConfig,
+    ) -> Result<(), ObservationError> {
+        if let Some(w) = self.work.get_mut(endpoint) {
+            w.prefilling = w.prefilling.saturating_sub(1);
+            w.prefill_tokens = w.prefill_tokens.saturating_sub(uncached_tokens);
+        }
+        match observation {
+            Some(o) => self.learned.observe(endpoint, o, config),
+            None => Ok(()),
+        }
+    }
+
+    /// The stream ended; `prefill_pending` are its uncached tokens if its first byte never
+    /// came (a reset, a client that went away).
+    pub fn done(&mut self, endpoint: usize, prefill_pending: Option<u64>) {
+        if let Some(w) = self.work.get_mut(endpoint) {
+            w.in_flight = w.in_flight.saturating_sub(1);
+            if let Some(tokens) = prefill_pending {
+                w.prefilling = w.prefilling.saturating_sub(1);
+                w.prefill_tokens = w.prefill_tokens.saturating_sub(tokens);
+            }
+        }
+    }
+}
+
+/// What an endpoint's last fresh scrape says about its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ServerQueue {
+    pub waiting: f64,
+    pub running: f64,
+}
+
+/// The per-endpoint inputs of a prediction besides the request: its work, its scrape, and
+/// its learned model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyInputs {
+    pub work: EndpointWork,
+    /// `None` when the endpoint has no fresh scrape: only the router's own work counts.
+    pub server: Option<ServerQueue>,
+    /// `None` = not learned yet: the configured prior.
+    pub ms_per_token: Option<f64>,
+    /// `None` = not learned yet: the configured prior.
+    pub lanes: Option<u32>,
+}
+
+/// One endpoint's predicted time to first token for one request, and why.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Prompt tokens the endpoint would reuse (believed), by the server's rules.
+    pub cached_tokens: usize,
+    pub uncached_tokens: usize,
+    /// What held the endpoint's lanes, and the lane count the prediction assumed.
+    pub backlog: Backlog,
+    pub lanes: u32,
+    /// Requests ahead of this one that must finish before it gets a lane.
+    pub queue_requests: f64,
+    /// Prefill tokens the request is predicted to wait for.
+    pub queue_tokens: f64,
+    pub queue_ms: f64,
+    pub ms_per_token: f64,
+    pub ttft_ms: f64,
+    /// Where requests queue, how much this one's prefill delays those behind it.
+    pub delay_to_others_ms: f64,
+    /// Blocks of the request the endpoint does not hold.
+    pub new_blocks: usize,
+    /// Of those, the ones its cache has no free room for: placing it there evicts them now.
+    pub evicted_blocks: usize,
+    /// Blocks priced for the room they take: (new + expected later) × occupancy.
+    pub room_blocks: f64,
+    pub room_ms: f64,
+    /// What the router minimises: TTFT + delay to others + room.
+    pub cost_ms: f64,
+}
+
+/// Prompt tokens a server would reuse given `matched` believed blocks per chain: full
+/// blocks only, and never the last prompt token (vLLM computes it for its logits).
+pub fn cached_tokens(hashes: &BlockHashes, matched: &[usize]) -> usize {
+    let block_size = hashes.block_size.max(1);
+    hashes
+        .tokens
+        .iter()
+        .zip(matched)
+        .map(|(&tokens, &m)| m.min(tokens.saturating_sub(1) / block_size) * block_size)
+        .sum()
+}
+
+/// Capacity of one endpoint's cache as the router believes it, in the router's blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheRoom {
+    pub capacity_blocks: usize,
+    pub believed_blocks: usize,
+}
+
+impl CacheRoom {
+    pub fn free_blocks(&self) -> usize {
+        self.capacity_blocks.saturating_sub(self.believed_blocks)
+    }
+
+    /// Share of the cache believed in use, 0..1 (0 when the capacity is unknown).
+    pub fn occupancy(&self) -> f64 {
+        if self.capacity_blocks == 0 {
+            return 0.0;
+        }
+        (self.believed_blocks as f64 / self.capacity_blocks as f64).min(1.0)
+    }
+}
+
+/// What holds an endpoint's lanes when a request arrives: requests in flight there and the
+/// prefill work of those not yet past their first byte.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Backlog {
+    pub holders: f64,
+    pub pending_tokens: f64,
+}
+
+impl Backlog {
+    /// The router's own work, plus the requests the scrape shows that the router did not send
+    /// (another gateway's, or a stale scrape's): they hold lanes too, with work like the
+    /// router's own, or like `own_uncached` when the router has none pending there.
+    pub fn of(inputs: &LatencyInputs, own_uncached: usize) -> Backlog {
+        let work = inputs.work;
+        let unseen = inputs.server.map_or(0.0, |s| {
+            let reported = s.waiting.max(0.0) + s.running.max(0.0);
+            if reported.is_finite() {
+                (reported - f64::from(work.in_flight)).max(0.0)
+            } else {
+                0.0
+            }
+        });
+        let mean_prefill = if work.prefilling > 0 {
+            work.prefill_tokens as f64 / f64::from(work.prefilling)
+        } else {
+            own_uncached as f64
+        };
+        Backlog {
+            holders: f64::from(work.in_flight) + unseen,
+            pending_tokens: work.prefill_tokens as f64 + unseen * mean_prefill,
+        }
+    }
+
+    /// With `lanes` lanes: how many requests must finish before a new one gets a lane, and
+    /// the prefill tokens it waits for. If a lane is free, none; otherwise `n − p + 1` of the
+    /// `n` holders, each with its share of the pending work, spread over the `p` lanes. With
+    /// one lane this is all the work ahead (NVIDIA Dynamo's cost).
+    pub fn queue(&self, lanes: u32) -> (f64, f64) {
+        let p = f64::from(lanes.max(1));
+        if self.holders < p {
+            return (0.0, 0.0);
+        }
+        let ahead = self.holders - p + 1.0;
+        (ahead, ahead * (self.pending_tokens / self.holders) / p)
+    }
+}
+
+/// How requests extend the groups they belong to, learned over the whole fleet: how often a
+/// request continues an earlier one (see [`crate::index::PrefixStore::continues`]) and how many
+/// blocks a continuation adds. Conversations continue almost always and grow every turn;
+/// tenants' and documents' questions never continue (they share a head, not a history).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupGrowth {
+    pub requests: f64,
+    pub continuations: f64,
+    pub added_blocks: f64,
+}
+
+/// How fast [`GroupGrowth`] forgets: each request keeps this share of the old evidence
+/// (a memory of about fifty requests, so it follows a workload that changes).
+const GROWTH_KEEP: f64 = 0.98;
+
+/// The continuation share is capped so the expected number of further requests of a group
+/// stays finite (at most 19).
+const MAX_CONTINUATION_SHARE: f64 = 0.95;
+
+impl GroupGrowth {
+    /// Learns from one routed request.
+    pub fn observe(&mut self, continues: bool, new_blocks: usize) {
+        self.requests = self.requests * GROWTH_KEEP + 1.0;
+        self.continuations *= GROWTH_KEEP;
+        self.added_blocks *= GROWTH_KEEP;
+        if continues {
+            self.continuations += 1.0;
+            self.added_blocks += new_blocks as f64;
+        }
+        if !(self.requests.is_finite()
+            && self.continuations.is_finite()
+            && self.added_blocks.is_finite())
+        {
+            *self = GroupGrowth::default();
+        }
+    }
+
+    /// Blocks a group that starts now is expected to add after its first request: a
+    /// continuation's mean size times the expected number of continuations, `p / (1 − p)` for
+    /// a continuation share `p` (each request is followed by another with probability `p`).
+    pub fn future_blocks(&self) -> f64 {
+        if !(self.requests > 0.0 && self.continuations >= 1.0) {
+            return 0.0;
+        }
+        let p = (self.continuations / self.requests).clamp(0.0, MAX_CONTINUATION_SHARE);
+        let mean = self.added_blocks / self.continuations;
+        let future = mean * p / (1.0 - p);
+        if future.is_finite() {
+            future.max(0.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What placing the request on an endpoint adds to that endpoint's cache over time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Footprint {
+    /// The request continues an earlier one on this endpoint (its group already lives there).
+    pub continues: bool,
+    /// Blocks the group is expected to add later ([`GroupGrowth::future_blocks`]); counted
+    /// where the request would start (or move) its group, not where it continues it.
+    pub future_blocks: f64,
+}
+
+/// Predicts one request's time to first token on one endpoint, and what the router minimises.
+///
+/// `matched` is the believed match per chain; `room` the endpoint's believed cache. The queue
+/// model is [`Backlog::queue`] with the learned lanes, at the learned cost per token. The cost
+/// adds two prices to the TTFT:
+///
+/// * **delay to others**: where requests queue, this one's prefill also delays those that
+///   will arrive after it; in a steady queue about as many as wait ahead of it now. It is what
+///   makes a hot prefix spill to a second replica before its queue runs away, although each
+///   request alone would rather wait than miss.
+/// * **room**: the blocks the request brings (those the endpoint does not hold, plus, if its
+///   group starts or moves here, the blocks the group is expected to add later) take room in
+///   the endpoint's cache. Each will displace a block some later request needs with about the
+///   probability that the cache is full, its believed occupancy; that request then pays the
+///   block's prefill. So a new prefix goes where it fits (the emptiest cache) unless that is
+///   slower by the prediction, and a growing group is not started where its history will not
+///   stay.
+pub fn predict(
+    hashes: &BlockHashes,
+    matched: &[usize],
+    room: CacheRoom,
+    footprint: Footprint,
+    inputs: &LatencyInputs,
+    config: &LatencyConfig,
+) -> Prediction {
+    let total_tokens = hashes.total_tokens();
+    let cached = cached_tokens(hashes, matched).min(total_tokens);
+    let uncached = total_tokens - cached;
+    let ms_per_token = inputs
+        .ms_per_token
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .unwrap_or(config.prefill_ms_per_token)
+        .clamp(config.min_ms_per_token, config.max_ms_per_token);
+    let lanes = inputs.lanes.unwrap_or(config.lanes).clamp(1, MAX_LANES);
+    let backlog = Backlog::of(inputs, uncached);
+    let (queue_requests, queue_tokens) = backlog.queue(lanes);
+    let queue_ms = queue_tokens * ms_per_token;
+    let prefill_ms = uncached as f64 * ms_per_token;
+    let ttft_ms = config.overhead_ms + queue_ms + prefill_ms;
+    let delay_to_others_ms = prefill_ms * queue_requests;
+
+    let total_blocks = hashes.total_blocks();
+    let matched_blocks: usize = matched.iter().sum();
+    let new_blocks = total_blocks.saturating_sub(matched_blocks);
+    let evicted_blocks = if room.capacity_blocks == 0 {
+        0
+    } else {
+        new_blocks.saturating_sub(room.free_blocks())
+    };
+    let future = if footprint.continues {
+        0.0
+    } else {
+        footprint.future_blocks.max(0.0)
+    };
+    let room_blocks = (new_blocks as f64 + future) * room.occupancy();
+    let block_size = hashes.block_size.max(1) as f64;
+    let room_ms = room_blocks * block_size * ms_per_token;
+    Prediction {
+        cached_tokens: cached,
+        uncached_tokens: uncached,
+        backlog,
+        lanes,
+        queue_requests,
+        queue_tokens,
+        queue_ms,
+        ms_per_token,
+        ttft_ms,
+        delay_to_others_ms,
+        new_blocks,
+        evicted_blocks,
+        room_blocks,
+        room_ms,
+        cost_ms: ttft_ms + delay_to_others_ms + room_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(tokens: usize, block_size: usize) -> BlockHashes {
+        let blocks = tokens.div_ceil(block_size);
+        BlockHashes {
+            chains: vec![(0..blocks as u64).collect()],
+            tokens: vec![tokens],
+            block_size,
+        }
+    }
+
+    fn config() -> LatencyConfig {
+        LatencyConfig {
+            prefill_ms_per_token: 1.0,
+            overhead_ms: 5.0,
+            lanes: 4,
+            ..LatencyConfig::default()
+        }
+    }
+
+    fn at(
+        h: &BlockHashes,
+        matched: usize,
+        room: CacheRoom,
+        inputs: &LatencyInputs,
+        config: &LatencyConfig,
+    ) -> Prediction {
+        predict(h, &[matched], room, Footprint::default(), inputs, config)
+    }
+
+    fn busy(in_flight: u32, tokens: u64) -> LatencyInputs {
+        LatencyInputs {
+            work: EndpointWork {
+                in_flight,
+                prefilling: in_flight,
+                prefill_tokens: tokens,
+            },
+            ..LatencyInputs::default()
+        }
+    }
+
+    fn observation(backlog: Backlog, uncached: f64, elapsed_ms: f64) -> Observation {
+        Observation {
+            backlog,
+            uncached_tokens: uncached,
+            ms_per_token: 1.0,
+            lanes: 1,
+            elapsed_ms,
+        }
+    }
+
+    #[test]
+    fn cached_tokens_follow_the_servers_rules() {
+        // 40 tokens in blocks of 16: 3 blocks (the last partial). All matched: the server
+        // reuses 2 full blocks, never the partial one.
+        let h = hashes(40, 16);
+        assert_eq!(cached_tokens(&h, &[3]), 32);
+        assert_eq!(cached_tokens(&h, &[1]), 16);
+        // 32 tokens, both blocks matched: the last token is always computed, so only 1 block.
+        assert_eq!(cached_tokens(&hashes(32, 16), &[2]), 16);
+        assert_eq!(cached_tokens(&hashes(1, 16), &[1]), 0);
+    }
+
+    #[test]
+    fn an_idle_holder_beats_an_idle_stranger_by_the_prefill_it_saves() {
+        let h = hashes(1000, 16);
+        let idle = LatencyInputs::default();
+        let hit = at(&h, 60, CacheRoom::default(), &idle, &config());
+        let miss = at(&h, 0, CacheRoom::default(), &idle, &config());
+        assert_eq!(hit.uncached_tokens, 1000 - 960);
+        assert_eq!(hit.ttft_ms, 5.0 + 40.0);
+        assert_eq!(miss.ttft_ms, 5.0 + 1000.0);
+        assert_eq!((hit.queue_ms, hit.cost_ms), (0.0, hit.ttft_ms));
+    }
+
+    #[test]
+    fn work_ahead_delays_only_when_every_lane_is_taken() {
+        let h = hashes(100, 16);
+        let room = CacheRoom::default();
+        // Three of four lanes busy with a long prefill each: a lane is free.
+        let free = at(&h, 0, room, &busy(3, 3000), &config());
+        assert_eq!(free.queue_ms, 0.0);
+        // Four busy: one must finish; its share of 4000 tokens over 4 lanes.
+        let full = at(&h, 0, room, &busy(4, 4000), &config());
+        assert_eq!(full.queue_requests, 1.0);
+        assert_eq!(full.queue_ms, 1000.0 / 4.0);
+        // ...and this request's 100 ms of prefill delays about one request behind it.
+        assert_eq!(full.delay_to_others_ms, 100.0);
+        assert_eq!(full.cost_ms, full.ttft_ms + 100.0);
+        // One lane: all the work ahead (Dynamo's cost).
+        let one = LatencyConfig {
+            lanes: 1,
+            ..config()
+        };
+        assert_eq!(at(&h, 0, room, &busy(2, 500), &one).queue_ms, 500.0);
+    }
+
+    #[test]
+    fn requests_the_router_did_not_send_count_as_queue() {
+        let h = hashes(100, 16);
+        let inputs = LatencyInputs {
+            server: Some(ServerQueue {
+                waiting: 4.0,
+                running: 4.0,
+            }),
+            lanes: Some(4),
+            ..busy(1, 200)
+        };
+        let p = at(&h, 0, CacheRoom::default(), &inputs, &config());
+        // 8 on the server, 1 of them ours: 7 unseen, each like our 200-token one.
+        assert_eq!(p.backlog.holders, 8.0);
+        assert_eq!(p.queue_requests, 5.0);
+        assert_eq!(p.queue_tokens, 5.0 * (1600.0 / 8.0) / 4.0);
+        // A scrape showing fewer than the router has in flight adds nothing.
+        let stale = LatencyInputs {
+            server: Some(ServerQueue {
+                waiting: 0.0,
+                running: 0.0,
+            }),
+            ..busy(3, 300)
+        };
+        assert_eq!(Backlog::of(&stale, 10).holders, 3.0);
+    }
+
+    #[test]
+    fn room_is_priced_by_occupancy_and_a_new_group_by_its_expected_growth() {
+        let h = hashes(160, 16); // 10 blocks
+        let idle = LatencyInputs::default();
+        let half = CacheRoom {
+            capacity_blocks: 100,
+            believed_blocks: 50,
+        };
+        let empty = CacheRoom {
+            capacity_blocks: 100,
+            believed_blocks: 0,
+        };
+        let continuing = Footprint {
+            continues: true,
+            future_blocks: 30.0,
+        };
+        let starting = Footprint {
+            continues: false,
+            future_blocks: 30.0,
+        };
+        // 8 new blocks at half occupancy: 4 blocks of 16 tokens at 1 ms.
+        let c = predict(&h, &[2], half, continuing, &idle, &config());
+        assert_eq!((c.new_blocks, c.room_blocks, c.room_ms), (8, 4.0, 64.0));
+        // A group that starts here also brings its expected 30 later blocks.
+        let s = predict(&h, &[2], half, starting, &idle, &config());
+        assert_eq!(s.room_blocks, (8.0 + 30.0) * 0.5);
+        // An empty cache costs no room; an unknown capacity neither.
+        let e = predict(&h, &[0], empty, starting, &idle, &config());
+        assert_eq!(e.room_ms, 0.0);
+        assert_eq!(CacheRoom::default().occupancy(), 0.0);
+        // A full cache evicts what does not fit.
+        let full = CacheRoom {
+            capacity_blocks: 100,
+            believed_blocks: 96,
+        };
+        assert_eq!(at(&h, 2, full, &idle, &config()).evicted_blocks, 4);
+    }
+
+    #[test]
+    fn the_rate_starts_at_the_prior_and_learns_from_observations() {
+        let c = config();
+        let mut rate = PrefillRate::default();
+        assert_eq!(rate.ms_per_token(&c), 1.0);
+        // A replica four times slower than the prior: 4 ms per token, 5 ms overhead.
+        for _ in 0..100 {
+            rate.observe(observation(Backlog::default(), 500.0, 5.0 + 2000.0), &c)
+                .unwrap();
+        }
+        let learned = rate.ms_per_token(&c);
+        assert!((learned - 4.0).abs() < 0.25, "{learned}");
+        // Faster again: the window forgets the old observations.
+        for _ in 0..2000 {
+            rate.observe(observation(Backlog::default(), 500.0, 5.0 + 50.0), &c)
+                .unwrap();
+        }
+        assert!((rate.ms_per_token(&c) - 0.1).abs() < 0.05);
+    }
+
+    #[test]
+    fn the_work_an_observation_is_compared_with_includes_the_predicted_wait() {
+        let backlog = Backlog {
+            holders: 2.0,
+            pending_tokens: 600.0,
+        };
+        // One lane: all 600 tokens ahead, plus its own 100.
+        assert_eq!(observation(backlog, 100.0, 10.0).work_tokens(), 700.0);
+        let four = Observation {
+            lanes: 4,
+            ..observation(backlog, 100.0, 10.0)
+        };
+        assert_eq!(four.work_tokens(), 100.0, "a lane was free");
+    }
+
+    #[test]
+    fn an_endpoint_without_observations_costs_what_the_fleet_costs() {
+        let c = config();
+        let mut seen = PrefillRate::default();
+        for _ in 0..400 {
+            seen.observe(observation(Backlog::default(), 1000.0, 5.0 + 3000.0), &c)
+                .unwrap();
+        }
+        let rates = estimate_rates(&[seen, PrefillRate::default()], &c);
+        assert!((rates[0] - 3.0).abs() < 0.1, "{rates:?}");
+        assert!(
+            (rates[1] - rates[0]).abs() < 0.1,
+            "the unseen endpoint follows the fleet, not the 1 ms prior: {rates:?}"
+        );
+        assert_eq!(estimate_rates(&[PrefillRate::default()], &c), vec![1.0]);
+        let corrupt = PrefillRate {
+            busy_ms: -1.0,
+            work_tokens: 5.0,
+        };
+        assert_eq!(estimate_rates(&[corrupt], &c), vec![1.0]);
+    }
+
+    #[test]
+    fn a_few_observations_of_one_replica_do_not_make_it_look_faster_than_the_fleet() {
+        let c = config();
+        // The fleet has seen a lot at 1 ms per token; one replica had two lucky requests.
+        let mut fleet = PrefillRate::default();
+        for _ in 0..100 {
+            fleet
+                .observe(observation(Backlog::default(), 1000.0, 1005.0), &c)
+                .unwrap();
+        }
+        let mut lucky = PrefillRate::default();
+        for _ in 0..2 {
+            lucky
+                .observe(observation(Backlog::default(), 700.0, 5.0 + 350.0), &c)
+                .unwrap();
+        }
+        let rates = estimate_rates(&[fleet, lucky], &c);
+        assert!(rates[1] > 0.9, "{rates:?}");
+    }
+
+    #[test]
+    fn absurd_observations_are_refused_and_leave_the_model_alone() {
+        let c = config();
+        let mut model = LearnedModel::new(1);
+        for (elapsed, err) in [
+            (0.0, ObservationError::NotPositive),
+            (-3.0, ObservationError::NotPositive),
+            (f64::NAN, ObservationError::NotPositive),
+            (7_200_000.0, ObservationError::TooLong),
+        ] {
+            let obs = observation(Backlog::default(), 10.0, elapsed);
+            assert_eq!(model.observe(0, obs, &c), Err(err));
+        }
+        let bad_work = observation(Backlog::default(), f64::INFINITY, 10.0);
+        assert_eq!(
+            model.observe(0, bad_work, &c),
+            Err(ObservationError::BadWork)
+        );
+        let fine = observation(Backlog::default(), 10.0, 20.0);
+        assert_eq!(
+            model.observe(7, fine, &c),
+            Err(ObservationError::BadWork),
+            "unknown endpoint"
+        );
+        assert_eq!(model, LearnedModel::new(1));
+        // A corrupt state reads as the prior; the bounds clamp an extreme estimate.
+        let corrupt = PrefillRate {
+            busy_ms: f64::NAN,
+            work_tokens: 1.0,
+        };
+        assert_eq!(corrupt.ms_per_token(&c), 1.0);
+        let extreme = PrefillRate {
+            busy_ms: 1e12,
+            work_tokens: 1.0,
+        };
+        assert_eq!(extreme.ms_per_token(&c), c.max_ms_per_token);
+    }
+
+    /// First bytes of requests sent behind `holders` others with `pending` tokens, on a server
+    /// that really has `lanes` lanes at 1 ms per token.
+    fn fit_on(lanes: u32, cases: &[(f64, f64)]) -> LaneFit {
+        let c = config();
+        let mut fit = LaneFit::default();
+        for _ in 0..10 {
+            for &(holders, pending) in cases {
+                let backlog = Backlog {
+                    holders,
+                    pending_tokens: pending,
+                };
+                let wait = backlog.queue(lanes).1;
+                let obs = Observation {
+                    lanes: 256,
+                    ..observation(backlog, 50.0, c.overhead_ms + 50.0 + wait)
+                };
+                fit.observe(&obs, &c);
+            }
+        }
+        fit
+    }
+
+    #[test]
+    fn lanes_are_learned_from_how_much_stacked_requests_wait() {
+        let c = LatencyConfig::default();
+        let stacked = [
+            (0.0, 0.0),
+            (1.0, 400.0),
+            (2.0, 800.0),
+            (3.0, 1200.0),
+            (5.0, 2000.0),
+        ];
+        // One compute-bound batch (vLLM): every request waits for all the work ahead.
+        assert_eq!(estimate_lanes(&[fit_on(1, &stacked)], &c), 1);
+        // Four independent lanes: waits start at the fourth request.
+        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c), 4);
+        // Nothing stacked yet: every model fits, the configured (optimistic) prior stands.
+        assert_eq!(estimate_lanes(&[fit_on(1, &[(0.0, 0.0)])], &c), c.lanes);
+        // With at most one request ahead, more than one lane can't be told apart from many:
+        // the largest consistent model wins (its mistakes show up and get corrected).
+        assert_eq!(estimate_lanes(&[fit_on(2, &[(1.0, 400.0)])], &c), 256);
+        // The configured lanes cap the choice.
+        let capped = LatencyConfig { lanes: 2, ..c };
+        assert_eq!(estimate_lanes(&[fit_on(8, &stacked)], &capped), 2);
+    }
+
+    #[test]
+    fn learned_models_add_up_across_workers() {
+        let c = config();
+        let (mut a, mut b) = (LearnedModel::new(2), LearnedModel::new(2));
+        let stacked = Backlog {
+            holders: 2.0,
+            pending_tokens: 800.0,
+        };
+        a.observe(0, observation(Backlog::default(), 500.0, 1505.0), &c)
+            .unwrap();
+        b.observe(1, observation(stacked, 100.0, 905.0), &c)
+            .unwrap();
+        let mut pooled = LearnedModel::new(2);
+        pooled.add(&a);
+        pooled.add(&b);
+        assert_eq!(pooled.rates[0], a.rates[0]);
+        assert_eq!(pooled.rates[1], b.rates[1]);
+        assert_eq!(pooled.lanes, b.lanes, "a's observation had nothing ahead");
+        let corrupt = LearnedModel {
+            rates: vec![PrefillRate {
+                busy_ms: f64::NAN,
+                work_tokens: 1.0,
+            }],
+            lanes: LaneFit {
+                excess: [f64::INFINITY; LANE_MODELS.len()],
+            },
+        };
+        pooled.add(&corrupt);
+        assert_eq!(pooled.rates[0], a.rates[0]);
+        assert_eq!(pooled.lanes, b.lanes);
+    }
+
+    #[test]
+    fn the_ledger_releases_prefill_at_the_first_byte_and_the_lane_at_the_end() {
+        let c = config();
+        let mut ledger = RequestLedger::new(2);
+        ledger.sent(1, 300);
+        ledger.sent(1, 40);
+        assert_eq!(
+            ledger.work[1],
+            EndpointWork {
+                in_flight: 2,
+                prefilling: 2,
+                prefill_tokens: 340
+            }
+        );
+        ledger
+            .first_byte(
+                1,
+                300,
+                Some(observation(Backlog::default(), 300.0, 305.0)),
+                &c,
+            )
+            .unwrap();
+        assert_eq!(ledger.work[1].prefill_tokens, 40);
+        assert_eq!(ledger.learned.rates[1].work_tokens, 300.0);
+        // A reset before its first byte releases both; strays and repeats saturate.
+        ledger.done(1, Some(40));
+        ledger.done(1, None);
+        ledger.done(1, Some(999));
+        ledger.done(7, None);
+        assert_eq!(ledger.work[1], EndpointWork::default());
+        assert!(ledger
+            .first_byte(0, 1, Some(observation(Backlog::default(), 1.0, 0.0)), &c)
+            .is_err());
+    }
+
+    #[test]
+    fn growth_is_learned_from_continuations() {
+        let mut growth = GroupGrowth::default();
+        assert_eq!(growth.future_blocks(), 0.0);
+        // Tenants: nothing ever continues.
+        for _ in 0..100 {
+            growth.observe(false, 3);
+        }
+        assert_eq!(growth.future_blocks(), 0.0);
+        // Conversations: 3 of 4 requests continue and add 8 blocks: 8 × 3 = 24 more.
+        for i in 0..400 {
+            growth.observe(i % 4 != 0, 8);
+        }
+        assert!((growth.future_blocks() - 24.0).abs() < 3.0, "{growth:?}");
+        // Always continuing is capped: at most 19 more requests.
+        for _ in 0..400 {
+            growth.observe(true, 1);
+        }
+        assert!(growth.future_blocks() <= 19.0 * 1.01, "{growth:?}");
+    }
+
+    #[test]
+    fn configuration_bounds_are_checked() {
+        assert!(LatencyConfig::default().validate().is_ok());
+        let bad = [
+            LatencyConfig {
+                prefill_ms_per_token: 0.0,
+                ..LatencyConfig::default()
+            },
+            LatencyConfig {
+                min_ms_per_token: 2.0,
+                max_ms_per_token: 1.0,
+                ..LatencyConfig::default()
+            },
+            LatencyConfig {
+                lanes: 0,
+                ..LatencyConfig::default()
+            },
+            LatencyConfig {
+                overhead_ms: f64::NAN,
+                ..LatencyConfig::default()
+            },
+            LatencyConfig {
+                fleet_tokens: -1.0,
+                ..LatencyConfig::default()
+            },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+    }
+}

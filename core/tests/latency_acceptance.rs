@@ -1,0 +1,141 @@
+//! The `latency` policy on the two traces where `prefix` (llm-d's weighted sum) falls into
+//! thrash once prefill costs something: the commands of the issue that introduced `latency`,
+//!
+//! ```text
+//! prefixroute trace --shape rag --tenants 6 --prompt-words 800 --question-words 20 --rate 20 \
+//!     --requests 200 --seed 5 -o rag.jsonl
+//! prefixroute simulate rag.jsonl --cache-blocks 128 --slots 4 --decode-ms-per-token 0
+//! prefixroute trace --shape conversations --tenants 16 --prompt-words 60 --question-words 40 \
+//!     --rate 20 --requests 200 --seed 5 -o chat.jsonl
+//! prefixroute simulate chat.jsonl --cache-blocks 512 --slots 4 --decode-ms-per-token 0
+//! ```
+//!
+//! The simulator is deterministic, so these are exact properties of this code, not timings.
+
+use prefixroute_core::config::Policy;
+use prefixroute_core::sim::{simulate, upper_bound, SimConfig, SimReport};
+use prefixroute_core::trace::{TraceRecord, TraceShape, TraceSpec};
+
+fn trace(
+    shape: TraceShape,
+    groups: usize,
+    prompt_words: usize,
+    question_words: usize,
+) -> Vec<TraceRecord> {
+    TraceSpec {
+        shape,
+        tenants: groups,
+        prompt_words,
+        question_words,
+        rate: 20.0,
+        requests: 200,
+        seed: 5,
+        ..TraceSpec::default()
+    }
+    .generate()
+    .unwrap()
+}
+
+/// `simulate TRACE --cache-blocks N --slots 4 --decode-ms-per-token 0` with its defaults.
+fn fleet(cache_blocks: usize) -> SimConfig {
+    let mut config = SimConfig {
+        cache_blocks,
+        ..SimConfig::default()
+    };
+    config.timing.lanes = 4;
+    config.timing.decode_ms_per_token = 0.0;
+    config
+}
+
+fn run(trace: &[TraceRecord], config: SimConfig, policy: Policy) -> SimReport {
+    let mut config = config;
+    config.router.policy = policy;
+    simulate(trace, config).unwrap()
+}
+
+/// Every group sends at least three quarters of its requests to one replica (its home), and
+/// no replica is home to more than its share of groups plus one: each document or
+/// conversation stays put, and they are spread over the fleet's caches.
+fn spread_by_capacity(report: &SimReport) -> Result<(), String> {
+    let replicas = report.requests_per_replica.len();
+    let mut homes = vec![0usize; replicas];
+    for (group, counts) in &report.group_replicas {
+        let total: usize = counts.iter().sum();
+        let (home, &most) = counts.iter().enumerate().max_by_key(|&(_, c)| *c).unwrap();
+        if most * 4 < total * 3 {
+            return Err(format!("{group} is not at home anywhere: {counts:?}"));
+        }
+        homes[home] += 1;
+    }
+    let share = report.group_replicas.len().div_ceil(replicas);
+    if homes.iter().any(|&h| h > share + 1) {
+        return Err(format!("homes per replica {homes:?} (share {share})"));
+    }
+    Ok(())
+}
+
+fn check(trace: &[TraceRecord], config: SimConfig) {
+    let bound = upper_bound(trace, config).unwrap();
+    let latency = run(trace, config, Policy::Latency);
+    assert!(
+        latency.hit_rate >= 0.95 * bound.hit_rate,
+        "hit rate {:.3} vs upper bound {:.3}",
+        latency.hit_rate,
+        bound.hit_rate
+    );
+    spread_by_capacity(&latency).unwrap();
+    let others: Vec<SimReport> = Policy::ALL
+        .into_iter()
+        .filter(|&p| p != Policy::Latency)
+        .map(|p| run(trace, config, p))
+        .collect();
+    let best = others
+        .iter()
+        .min_by(|a, b| a.ttft_p95_ms.total_cmp(&b.ttft_p95_ms))
+        .unwrap();
+    assert!(
+        latency.ttft_p95_ms <= 1.1 * best.ttft_p95_ms,
+        "TTFT p95 {:.0} ms vs {} {:.0} ms",
+        latency.ttft_p95_ms,
+        best.policy,
+        best.ttft_p95_ms
+    );
+}
+
+#[test]
+fn on_rag_with_expensive_prefill_latency_reaches_the_upper_bound_and_keeps_each_document_home() {
+    let trace = trace(TraceShape::Rag, 6, 800, 20);
+    check(&trace, fleet(128));
+    let latency = run(&trace, fleet(128), Policy::Latency);
+    assert_eq!(
+        latency.groups_on_one, latency.groups,
+        "{:?}",
+        latency.group_replicas
+    );
+}
+
+#[test]
+fn on_conversations_sharing_a_system_prompt_latency_spreads_them_by_capacity() {
+    let trace = trace(TraceShape::Conversations, 16, 60, 40);
+    check(&trace, fleet(512));
+    // Where llm-d's weighted sum piles them onto the replica that holds the system prompt.
+    let prefix = run(&trace, fleet(512), Policy::Prefix);
+    assert!(
+        spread_by_capacity(&prefix).is_err(),
+        "{:?}",
+        prefix.group_replicas
+    );
+}
+
+#[test]
+fn the_upper_bound_is_one_server_that_never_evicts() {
+    let trace = trace(TraceShape::Conversations, 16, 60, 40);
+    let bound = upper_bound(&trace, fleet(512)).unwrap();
+    assert_eq!(bound.requests_per_replica, vec![200]);
+    assert_eq!(bound.groups_on_one, bound.groups);
+    // No router over the fleet can reuse more than the one server that keeps everything.
+    for policy in Policy::ALL {
+        let r = run(&trace, fleet(512), policy);
+        assert!(r.hit_rate <= bound.hit_rate + 1e-12, "{policy}");
+    }
+}
