@@ -51,26 +51,33 @@ const FAST_SCRAPES: [&str; 6] = [
 
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
-fn prefix_beats_round_robin_by_20_points_and_pins_every_tenant() {
-    let mut args = vec!["compare", "--json", "--policies", "round-robin,prefix"];
+fn latency_and_prefix_beat_round_robin_by_20_points_and_pin_every_tenant() {
+    let mut args = vec![
+        "compare",
+        "--json",
+        "--policies",
+        "round-robin,prefix,latency",
+    ];
     args.extend_from_slice(&FAST_SCRAPES);
     let rows = prefixroute_json(&args);
-    let (rr, prefix) = (row(&rows, "round-robin"), row(&rows, "prefix"));
-    for r in [rr, prefix] {
+    let rr = row(&rows, "round-robin");
+    assert_eq!(rr["summary"]["errors"], 0, "{rr}");
+    for policy in ["prefix", "latency"] {
+        let r = row(&rows, policy);
         assert_eq!(r["summary"]["errors"], 0, "{r}");
         assert_eq!(r["summary"]["server_counters"]["settled"], true, "{r}");
+        let (rr_hit, hit) = (hit_rate(rr), hit_rate(r));
+        assert!(
+            hit >= rr_hit + 0.20,
+            "{policy} {hit:.3} vs round-robin {rr_hit:.3}"
+        );
+        let groups = &r["summary"]["groups_on_one_endpoint"];
+        assert_eq!(
+            groups["single"], groups["groups"],
+            "{policy}: every tenant on one endpoint: {groups}"
+        );
+        assert_eq!(groups["groups"], 8);
     }
-    let (rr_hit, prefix_hit) = (hit_rate(rr), hit_rate(prefix));
-    assert!(
-        prefix_hit >= rr_hit + 0.20,
-        "prefix {prefix_hit:.3} vs round-robin {rr_hit:.3}"
-    );
-    let groups = &prefix["summary"]["groups_on_one_endpoint"];
-    assert_eq!(
-        groups["single"], groups["groups"],
-        "every tenant on one endpoint: {groups}"
-    );
-    assert_eq!(groups["groups"], 8);
 }
 
 #[test]
@@ -97,7 +104,7 @@ fn hot_tenant_reaches_a_second_endpoint() {
         trace.to_str().unwrap(),
         "--json",
         "--policies",
-        "prefix",
+        "prefix,latency",
         "--lanes",
         "2",
         "--decode-ms-per-token",
@@ -105,13 +112,15 @@ fn hot_tenant_reaches_a_second_endpoint() {
     ];
     args.extend_from_slice(&FAST_SCRAPES);
     let rows = prefixroute_json(&args);
-    let prefix = row(&rows, "prefix");
-    assert_eq!(prefix["summary"]["errors"], 0);
-    let hot: BTreeMap<String, u64> =
-        serde_json::from_value(prefix["summary"]["group_endpoints"]["tenant-0"].clone()).unwrap();
-    assert!(hot.len() >= 2, "hot tenant stayed on {hot:?}");
-    // Spilling keeps locality: once a second replica holds the hot prefix, it hits there too.
-    assert!(hit_rate(prefix) > 0.6, "{}", hit_rate(prefix));
+    for policy in ["prefix", "latency"] {
+        let r = row(&rows, policy);
+        assert_eq!(r["summary"]["errors"], 0);
+        let hot: BTreeMap<String, u64> =
+            serde_json::from_value(r["summary"]["group_endpoints"]["tenant-0"].clone()).unwrap();
+        assert!(hot.len() >= 2, "{policy}: hot tenant stayed on {hot:?}");
+        // Spilling keeps locality: once a second replica holds the hot prefix, it hits there too.
+        assert!(hit_rate(r) > 0.6, "{policy}: {}", hit_rate(r));
+    }
 }
 
 /// `prefixroute serve` (which becomes Envoy) on free ports; killed when dropped.
@@ -336,6 +345,7 @@ fn the_reference_config_and_every_serve_config_pass_envoy_validation() {
     std::fs::write(&path, reference.replace("@WASM@", &wasm)).unwrap();
     envoy_validates(&path);
     for policy in [
+        "latency",
         "prefix",
         "prefix-only",
         "least-queue",

@@ -6,10 +6,11 @@
 //! `None`, and callers treat it as absent (and overwrite it), instead of misreading it.
 //! Decoding never panics: truncated or corrupt bytes are `None` too.
 
+use prefixroute_core::latency::{EndpointWork, GroupGrowth, LaneFit, PrefillRate, LANE_MODELS};
 use prefixroute_core::metrics::EngineMetrics;
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 1;
+pub const LAYOUT: u8 = 2;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -80,14 +81,22 @@ impl<'a> Reader<'a> {
 /// its scrape lease and its last scrape. One key per endpoint means one `get` per endpoint per
 /// request gives the router the load, the health and the index clock together.
 ///
-/// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | next_scrape_ms u64 |
-/// scraped_at_ms u64 | last_cold u64 | metrics mask u8 | one f64 per set mask bit`.
-/// 37 to 93 bytes.
+/// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | fill u64 |
+/// capacity_tokens u64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 |
+/// metrics mask u8 | one f64 per set mask bit`. 53 to 109 bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
     /// A block is believed held while `clock − stamp < capacity` (see `store`).
     pub clock: u64,
+    /// Blocks recorded as new on the endpoint since its belief was last emptied (it
+    /// restarted); up to the capacity, the blocks it is believed to hold. Unlike the clock it
+    /// does not count the re-stamps of blocks already held.
+    pub fill: u64,
+    /// The cache the endpoint reports, `num_gpu_blocks × block_size` of
+    /// `vllm:cache_config_info`, in tokens; 0 = never reported (the configured capacity
+    /// applies). Kept across failed scrapes: a cache does not shrink when a scrape times out.
+    pub capacity_tokens: u64,
     /// Scrape lease: the root context that moves this forward (by CAS) owns the next scrape.
     pub next_scrape_ms: u64,
     /// When the last successful scrape finished (0 = never).
@@ -110,6 +119,8 @@ impl EndpointState {
         w.u8(if self.down { FLAG_DOWN } else { 0 });
         w.u16(self.failures);
         w.u64(self.clock);
+        w.u64(self.fill);
+        w.u64(self.capacity_tokens);
         w.u64(self.next_scrape_ms);
         w.u64(self.scraped_at_ms);
         w.u64(self.last_cold);
@@ -139,6 +150,8 @@ impl EndpointState {
         let flags = r.u8()?;
         let failures = r.u16()?;
         let clock = r.u64()?;
+        let fill = r.u64()?;
+        let capacity_tokens = r.u64()?;
         let next_scrape_ms = r.u64()?;
         let scraped_at_ms = r.u64()?;
         let last_cold = r.u64()?;
@@ -164,6 +177,8 @@ impl EndpointState {
         };
         Some(EndpointState {
             clock,
+            fill,
+            capacity_tokens,
             next_scrape_ms,
             scraped_at_ms,
             last_cold,
@@ -187,13 +202,18 @@ fn metric_fields(m: &EngineMetrics) -> [Option<f64>; 7] {
     ]
 }
 
-/// One endpoint's claim on a block: its id (xxh64 of `ip:port`) and the stamp its clock gave
-/// the block when it was last recorded there.
+/// One endpoint's claim on a block: its id (xxh64 of `ip:port`), the stamp its clock gave
+/// the block when it was last recorded there, and whether a request's full blocks ended at it
+/// (core's `PrefixStore::continues`). The flag is the stamp's top bit on the wire: a clock
+/// never reaches 2^63.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Holder {
     pub endpoint: u64,
     pub stamp: u64,
+    pub end: bool,
 }
+
+const END_BIT: u64 = 1 << 63;
 
 /// One block hash and the endpoints believed to hold it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,7 +224,7 @@ pub struct Entry {
 
 /// A bucket of the shared index (`prefixroute/ix/<bits>/<n>`): a handful of entries whose
 /// block hashes fall in it. Layout: `layout u8 | entries u8 | per entry: hash u64 |
-/// holders u8 | per holder: endpoint u64, stamp u64`.
+/// holders u8 | per holder: endpoint u64, stamp u64 (top bit: end)`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub entries: Vec<Entry>,
@@ -221,7 +241,7 @@ impl Bucket {
             w.u8(holders.len() as u8);
             for h in holders {
                 w.u64(h.endpoint);
-                w.u64(h.stamp);
+                w.u64((h.stamp & !END_BIT) | if h.end { END_BIT } else { 0 });
             }
         }
         w.0
@@ -236,9 +256,12 @@ impl Bucket {
             let k = r.u8()? as usize;
             let mut holders = Vec::with_capacity(k);
             for _ in 0..k {
+                let endpoint = r.u64()?;
+                let raw = r.u64()?;
                 holders.push(Holder {
-                    endpoint: r.u64()?,
-                    stamp: r.u64()?,
+                    endpoint,
+                    stamp: raw & !END_BIT,
+                    end: raw & END_BIT != 0,
                 });
             }
             entries.push(Entry { hash, holders });
@@ -250,37 +273,72 @@ impl Bucket {
         self.entries.iter().find(|e| e.hash == hash)
     }
 
-    /// The stamp `endpoint` holds `hash` with, if any.
-    pub fn stamp(&self, hash: u64, endpoint: u64) -> Option<u64> {
+    /// `endpoint`'s claim on `hash`, if any.
+    pub fn holder(&self, hash: u64, endpoint: u64) -> Option<Holder> {
         self.find(hash)?
             .holders
             .iter()
             .find(|h| h.endpoint == endpoint)
-            .map(|h| h.stamp)
+            .copied()
     }
 }
 
-/// One plugin instance's (root context's) in-flight requests, under
-/// `prefixroute/inflight/<slot>`. Only that instance writes it, so it needs no CAS.
-/// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | n u16 | n × (endpoint u64, count u32)`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// One endpoint's entry in an instance record: the instance's requests there and what it
+/// learned from their first bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EndpointLedger {
+    /// Endpoint id (xxh64 of `ip:port`).
+    pub endpoint: u64,
+    pub work: EndpointWork,
+    pub rate: PrefillRate,
+}
+
+impl EndpointLedger {
+    pub fn is_empty(&self) -> bool {
+        self.work == EndpointWork::default() && self.rate == PrefillRate::default()
+    }
+}
+
+/// One plugin instance's (root context's) account, under `prefixroute/ledger/<slot>`: its
+/// requests in flight and prefilling per endpoint, and what it learned (prefill rates, the
+/// lane fit, group growth). Only that instance writes it, so it needs no CAS; readers add up
+/// every live instance's record.
+///
+/// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | growth 3 × f64 |
+/// n u16 | n × (endpoint u64, in_flight u32, prefilling u32, prefill_tokens u64, busy_ms f64,
+/// work_tokens f64)`: 107 + 40 n bytes.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
     pub nonce: u64,
     pub heartbeat_ms: u64,
-    pub counts: Vec<(u64, u32)>,
+    pub lanes: LaneFit,
+    pub growth: GroupGrowth,
+    pub endpoints: Vec<EndpointLedger>,
 }
+
+const LEDGER_BYTES: usize = 40;
 
 impl InstanceRecord {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_layout();
         w.u64(self.nonce);
         w.u64(self.heartbeat_ms);
-        let counts = &self.counts[..self.counts.len().min(u16::MAX as usize)];
-        w.u16(counts.len() as u16);
-        for &(endpoint, count) in counts {
-            w.u64(endpoint);
-            w.u32(count);
+        for e in self.lanes.excess {
+            w.f64(e);
+        }
+        w.f64(self.growth.requests);
+        w.f64(self.growth.continuations);
+        w.f64(self.growth.added_blocks);
+        let endpoints = &self.endpoints[..self.endpoints.len().min(u16::MAX as usize)];
+        w.u16(endpoints.len() as u16);
+        for e in endpoints {
+            w.u64(e.endpoint);
+            w.u32(e.work.in_flight);
+            w.u32(e.work.prefilling);
+            w.u64(e.work.prefill_tokens);
+            w.f64(e.rate.busy_ms);
+            w.f64(e.rate.work_tokens);
         }
         w.0
     }
@@ -289,18 +347,41 @@ impl InstanceRecord {
         let mut r = Reader::with_layout(bytes)?;
         let nonce = r.u64()?;
         let heartbeat_ms = r.u64()?;
+        let mut lanes = LaneFit::default();
+        for e in lanes.excess.iter_mut() {
+            *e = r.f64()?;
+        }
+        debug_assert_eq!(lanes.excess.len(), LANE_MODELS.len());
+        let growth = GroupGrowth {
+            requests: r.f64()?,
+            continuations: r.f64()?,
+            added_blocks: r.f64()?,
+        };
         let n = r.u16()? as usize;
-        if r.remaining() < n * 12 {
+        if r.remaining() < n * LEDGER_BYTES {
             return None;
         }
-        let mut counts = Vec::with_capacity(n);
+        let mut endpoints = Vec::with_capacity(n);
         for _ in 0..n {
-            counts.push((r.u64()?, r.u32()?));
+            endpoints.push(EndpointLedger {
+                endpoint: r.u64()?,
+                work: EndpointWork {
+                    in_flight: r.u32()?,
+                    prefilling: r.u32()?,
+                    prefill_tokens: r.u64()?,
+                },
+                rate: PrefillRate {
+                    busy_ms: r.f64()?,
+                    work_tokens: r.f64()?,
+                },
+            });
         }
         Some(InstanceRecord {
             nonce,
             heartbeat_ms,
-            counts,
+            lanes,
+            growth,
+            endpoints,
         })
     }
 }
@@ -388,6 +469,8 @@ mod tests {
     fn endpoint_state_round_trips_with_and_without_metrics() {
         let mut s = EndpointState {
             clock: u64::MAX - 1,
+            fill: 77,
+            capacity_tokens: 128 * 16,
             next_scrape_ms: 1_700_000_000_123,
             scraped_at_ms: 42,
             last_cold: 7,
@@ -395,10 +478,10 @@ mod tests {
             down: true,
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 37);
+        assert_eq!(s.encode().len(), 53);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 37 + 7 * 8);
+        assert_eq!(s.encode().len(), 53 + 7 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(EngineMetrics::default());
@@ -430,7 +513,7 @@ mod tests {
         assert_eq!(InstanceRecord::decode(&[LAYOUT, 1, 2]), None);
         // A huge declared count with no data behind it is rejected, not allocated.
         let mut lie = vec![LAYOUT];
-        lie.extend_from_slice(&[0; 16]);
+        lie.extend_from_slice(&[0; 16 + 11 * 8]);
         lie.extend_from_slice(&u16::MAX.to_le_bytes());
         assert_eq!(InstanceRecord::decode(&lie), None);
         let mut lie = vec![LAYOUT];
@@ -449,10 +532,12 @@ mod tests {
                         Holder {
                             endpoint: 1,
                             stamp: 10,
+                            end: false,
                         },
                         Holder {
                             endpoint: 2,
                             stamp: 20,
+                            end: true,
                         },
                     ],
                 },
@@ -465,9 +550,15 @@ mod tests {
         let bytes = b.encode();
         assert_eq!(bytes.len(), 2 + (9 + 32) + 9);
         assert_eq!(Bucket::decode(&bytes), Some(b.clone()));
-        assert_eq!(b.stamp(7, 2), Some(20));
-        assert_eq!(b.stamp(7, 3), None);
-        assert_eq!(b.stamp(8, 1), None);
+        let h = b.holder(7, 2).unwrap();
+        assert_eq!(
+            (h.stamp, h.end),
+            (20, true),
+            "the end flag rides on the stamp's top bit"
+        );
+        assert!(!b.holder(7, 1).unwrap().end);
+        assert_eq!(b.holder(7, 3), None);
+        assert_eq!(b.holder(8, 1), None);
         for cut in 0..bytes.len() {
             assert_eq!(Bucket::decode(&bytes[..cut]), None);
         }
@@ -475,11 +566,41 @@ mod tests {
 
     #[test]
     fn instance_record_and_registry_round_trip() {
+        let mut lanes = LaneFit::default();
+        lanes.excess[3] = 2.5;
         let rec = InstanceRecord {
             nonce: 9,
             heartbeat_ms: 123,
-            counts: vec![(1, 2), (u64::MAX, u32::MAX)],
+            lanes,
+            growth: GroupGrowth {
+                requests: 10.0,
+                continuations: 7.5,
+                added_blocks: 60.0,
+            },
+            endpoints: vec![
+                EndpointLedger {
+                    endpoint: 1,
+                    work: EndpointWork {
+                        in_flight: 2,
+                        prefilling: 1,
+                        prefill_tokens: 900,
+                    },
+                    rate: PrefillRate {
+                        busy_ms: 1.5,
+                        work_tokens: 3000.0,
+                    },
+                },
+                EndpointLedger {
+                    endpoint: u64::MAX,
+                    work: EndpointWork {
+                        in_flight: u32::MAX,
+                        ..EndpointWork::default()
+                    },
+                    ..EndpointLedger::default()
+                },
+            ],
         };
+        assert_eq!(rec.encode().len(), 107 + 2 * 40);
         assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
         let reg = Registry {
             next_nonce: 5,

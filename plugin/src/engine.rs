@@ -7,20 +7,21 @@ use std::collections::BTreeMap;
 
 use prefixroute_core::config::PluginConfig;
 use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::latency::{Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
 use crate::codec::EndpointState;
 use crate::fallback::{self, FallbackReason};
-use crate::inflight::InFlight;
-use crate::scrape::{self, Claim, Observation, Transition};
+use crate::ledger::Ledger;
+use crate::scrape::{self, Claim, Transition};
 use crate::settings::{instance_stale_ms, tick_ms};
 use crate::shared::{cas_update, endpoint_key, CasOutcome, SharedData};
 use crate::stats::{stat_token, Event, ScrapeEnd};
 use crate::store::{endpoint_id, SharedIndex, CAS_ATTEMPTS};
 
 /// How a request's endpoint was chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Route {
     /// By the router, on the parsed body.
     Routed {
@@ -28,15 +29,32 @@ pub enum Route {
         matched_blocks: usize,
         total_blocks: usize,
         cold: bool,
+        /// The `latency` policy's prediction for the chosen endpoint.
+        prediction: Option<Prediction>,
     },
     /// By the fallback choice.
     Fallback(FallbackReason),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a request's HTTP context keeps until its stream ends: where it went, the prefill work
+/// the router accounted for it, and what to compare its first byte with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ticket {
+    pub endpoint: usize,
+    pub uncached_tokens: u64,
+    /// The prediction for the chosen endpoint (under every policy); `None` for fallbacks,
+    /// which teach the rate estimator nothing.
+    pub prediction: Option<Prediction>,
+    pub sent_ms: u64,
+    /// The first response byte came (prefill work released).
+    pub first_byte: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice {
     pub endpoint: usize,
     pub route: Route,
+    pub ticket: Ticket,
 }
 
 /// A scrape callout this instance sent and awaits.
@@ -52,7 +70,7 @@ pub struct Engine<H: SharedData> {
     keys: Vec<String>,
     router: Router<SharedIndex<H>>,
     hash: HashConfig,
-    inflight: InFlight,
+    ledger: Ledger,
     fallback_cursor: usize,
     pending: BTreeMap<u32, Pending>,
     events: Vec<Event>,
@@ -74,7 +92,7 @@ impl<H: SharedData> Engine<H> {
             keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             router: Router::with_store(router_config, addresses.len(), store),
             hash: router_config.hash,
-            inflight: InFlight::new(
+            ledger: Ledger::new(
                 addresses.iter().map(|a| endpoint_id(a)).collect(),
                 instance_stale_ms(tick),
             ),
@@ -134,42 +152,75 @@ impl<H: SharedData> Engine<H> {
         };
         let hashes = hash_request(&request, self.hash);
         self.router.store_mut().begin_request();
-        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
-        let stale_after = self.config.scrape.stale_after_ms;
-        let loads: Vec<EndpointLoad> = (0..self.endpoints())
-            .map(|e| {
-                let state = self.router.store().endpoint_state(e);
-                let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
-                estimate_load(metrics, in_flight[e], state.down)
-            })
-            .collect();
+        let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
         let last_cold: Vec<Option<u64>> = (0..self.endpoints())
             .map(|e| Some(self.router.store().endpoint_state(e).last_cold).filter(|&t| t > 0))
             .collect();
         self.router.set_last_cold(&last_cold);
         let decision = self.router.pick(&hashes, &loads);
+        let endpoint = decision.endpoint;
+        let prediction = self
+            .router
+            .prediction_for(&decision, &hashes, &loads[endpoint]);
         self.router.commit(&decision, &hashes);
+        self.ledger
+            .observe_growth(decision.continuation, decision.new_blocks());
         let store_stats = self.router.store_mut().end_request();
         self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
         if decision.cold {
-            self.publish_cold(decision.endpoint);
+            self.publish_cold(endpoint);
         }
-        self.acquire(decision.endpoint, now_ms);
+        let uncached = prediction.uncached_tokens as u64;
+        self.acquire(endpoint, uncached, now_ms);
         self.events.push(Event::Routed {
             policy: decision.policy,
-            endpoint: decision.endpoint,
+            endpoint,
             cold: decision.cold,
         });
         Choice {
-            endpoint: decision.endpoint,
+            endpoint,
             route: Route::Routed {
                 policy: decision.policy,
                 matched_blocks: decision.matched_blocks(),
                 total_blocks: decision.total_blocks,
                 cold: decision.cold,
+                prediction: decision.prediction().copied(),
+            },
+            ticket: Ticket {
+                endpoint,
+                uncached_tokens: uncached,
+                prediction: Some(prediction),
+                sent_ms: now_ms,
+                first_byte: false,
             },
         }
+    }
+
+    /// What the router knows of every endpoint now: its last fresh scrape, the work of every
+    /// worker's requests on it, its learned prefill model, and (bounding its believed cache)
+    /// its reported capacity; the fleet's learned lanes and group growth.
+    fn loads(&mut self, now_ms: u64) -> Vec<EndpointLoad> {
+        let pooled = self.ledger.totals(self.router.store().host(), now_ms);
+        let (rates, lanes) = pooled.learned.estimate(&self.config.latency);
+        self.router.set_growth(pooled.growth);
+        let stale_after = self.config.scrape.stale_after_ms;
+        (0..self.endpoints())
+            .map(|e| {
+                let state = self.router.store().endpoint_state(e);
+                let capacity = scrape::capacity_blocks(
+                    &state,
+                    self.hash.block_size,
+                    self.config.index_capacity_blocks,
+                );
+                self.router.set_capacity(e, capacity);
+                let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
+                let mut load = estimate_load(metrics, pooled.work[e], state.down);
+                load.latency.ms_per_token = Some(rates[e]);
+                load.latency.lanes = Some(lanes);
+                load
+            })
+            .collect()
     }
 
     /// Shares a cold pick: the endpoint's `last_cold` becomes the router's new stamp (one past
@@ -207,32 +258,82 @@ impl<H: SharedData> Engine<H> {
             .collect();
         let store_stats = self.router.store_mut().end_request();
         self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
-        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
+        let in_flight: Vec<u32> = self
+            .ledger
+            .totals(self.router.store().host(), now_ms)
+            .work
+            .iter()
+            .map(|w| w.in_flight)
+            .collect();
         let endpoint = fallback::choose(&down, &in_flight, &mut self.fallback_cursor);
-        self.acquire(endpoint, now_ms);
+        self.acquire(endpoint, 0, now_ms);
         self.events.push(Event::Fallback { reason, endpoint });
         Choice {
             endpoint,
             route: Route::Fallback(reason),
+            ticket: Ticket {
+                endpoint,
+                uncached_tokens: 0,
+                prediction: None,
+                sent_ms: now_ms,
+                first_byte: false,
+            },
         }
     }
 
-    fn acquire(&mut self, endpoint: usize, now_ms: u64) {
-        self.inflight
-            .acquire(self.router.store().host(), endpoint, now_ms);
-        self.drain_inflight_stats();
+    fn acquire(&mut self, endpoint: usize, uncached_tokens: u64, now_ms: u64) {
+        self.ledger.acquire(
+            self.router.store().host(),
+            endpoint,
+            uncached_tokens,
+            now_ms,
+        );
+        self.drain_ledger_stats();
     }
 
-    /// A request steered to `endpoint` finished (or was reset).
-    pub fn release(&mut self, endpoint: usize, now_ms: u64) {
-        self.inflight
-            .release(self.router.store().host(), endpoint, now_ms);
-        self.drain_inflight_stats();
+    /// The first response byte of a steered request (its response headers): its prefill is
+    /// done. A 2xx answer to a request routed with a prediction also teaches the endpoint's
+    /// prefill model how long that took; anything else (a local reply, an error) does not.
+    pub fn first_byte(&mut self, ticket: &mut Ticket, success: bool, now_ms: u64) {
+        if ticket.first_byte {
+            return;
+        }
+        ticket.first_byte = true;
+        let elapsed = now_ms.saturating_sub(ticket.sent_ms) as f64;
+        let observation = ticket
+            .prediction
+            .filter(|_| success)
+            .map(|p| Observation::of(&p, elapsed));
+        let latency = self.config.latency;
+        self.ledger.first_byte(
+            self.router.store().host(),
+            ticket.endpoint,
+            ticket.uncached_tokens,
+            observation,
+            &latency,
+            now_ms,
+        );
+        self.drain_ledger_stats();
     }
 
-    fn drain_inflight_stats(&mut self) {
-        let s = self.inflight.take_stats();
+    /// A steered request finished (or was reset): it no longer holds a lane, and its prefill
+    /// work goes with it if its first byte never came.
+    pub fn release(&mut self, ticket: &Ticket, now_ms: u64) {
+        let pending = (!ticket.first_byte).then_some(ticket.uncached_tokens);
+        self.ledger
+            .release(self.router.store().host(), ticket.endpoint, pending, now_ms);
+        self.drain_ledger_stats();
+    }
+
+    fn drain_ledger_stats(&mut self) {
+        let s = self.ledger.take_stats();
         self.count_shared(s.cas_give_ups, s.host_errors);
+        if s.observations > 0 || s.refused_observations > 0 {
+            self.events.push(Event::Observations {
+                used: s.observations,
+                refused: s.refused_observations,
+            });
+        }
     }
 
     fn count_shared(&mut self, give_ups: u32, errors: u32) {
@@ -247,16 +348,17 @@ impl<H: SharedData> Engine<H> {
     /// Periodic work of a root context: heartbeat and reap in-flight counts, publish gauges,
     /// and claim due scrapes. Returns the endpoints this instance must scrape now.
     pub fn tick(&mut self, now_ms: u64) -> Vec<usize> {
-        self.inflight.tick(self.router.store().host(), now_ms);
-        self.drain_inflight_stats();
+        self.ledger.tick(self.router.store().host(), now_ms);
+        self.drain_ledger_stats();
         // A callout always completes (Envoy enforces its timeout), but never let a lost one
         // block its endpoint's scrapes.
         let expiry = self.config.scrape.timeout_ms + self.config.scrape.interval_ms;
         self.pending
             .retain(|_, p| now_ms.saturating_sub(p.sent_ms) <= expiry);
-        let in_flight = self.inflight.totals(self.router.store().host(), now_ms);
+        let pooled = self.ledger.totals(self.router.store().host(), now_ms);
+        let (rates, _) = pooled.learned.estimate(&self.config.latency);
         let mut due = Vec::new();
-        for (e, &count) in in_flight.iter().enumerate() {
+        for (e, work) in pooled.work.iter().enumerate() {
             let key = &self.keys[e];
             let awaiting = self.pending.values().any(|p| p.endpoint == e);
             let (claim, state) = if awaiting {
@@ -271,7 +373,14 @@ impl<H: SharedData> Engine<H> {
             }
             self.events.push(Event::Gauges {
                 endpoint: e,
-                in_flight: count,
+                in_flight: work.in_flight,
+                prefill_tokens: work.prefill_tokens,
+                capacity_blocks: scrape::capacity_blocks(
+                    &state,
+                    self.hash.block_size,
+                    self.config.index_capacity_blocks,
+                ) as u64,
+                prefill_ns_per_token: (rates[e] * 1e6).round() as u64,
                 down: state.down,
             });
         }
@@ -330,9 +439,9 @@ impl<H: SharedData> Engine<H> {
             self.config.model.as_deref(),
         );
         let end = match observation {
-            Observation::Metrics(_) => ScrapeEnd::Ok,
-            Observation::Unparseable => ScrapeEnd::Unparseable,
-            Observation::Failed => ScrapeEnd::Failed,
+            scrape::Observation::Metrics(_) => ScrapeEnd::Ok,
+            scrape::Observation::Unparseable => ScrapeEnd::Unparseable,
+            scrape::Observation::Failed => ScrapeEnd::Failed,
         };
         let (outcome, transition) = scrape::record(
             self.host(),
@@ -353,6 +462,9 @@ impl<H: SharedData> Engine<H> {
                 }
                 if transition.forgot {
                     self.events.push(Event::IndexForgotten(endpoint));
+                }
+                if transition.no_capacity {
+                    self.events.push(Event::CapacityUnreported(endpoint));
                 }
                 Some((endpoint, transition))
             }
@@ -377,7 +489,9 @@ mod tests {
     use super::*;
     use crate::shared::MemShared;
     use prefixroute_core::config::EndpointConfig;
+    use prefixroute_core::latency::{EndpointWork, RequestLedger};
     use prefixroute_core::metrics::EngineMetrics;
+    use prefixroute_core::PrefixStore;
 
     fn config(n: usize, policy: Policy) -> PluginConfig {
         PluginConfig {
@@ -436,7 +550,7 @@ mod tests {
             panic!("{first:?}")
         };
         assert!(cold);
-        w1.release(first.endpoint, 1);
+        w1.release(&first.ticket, 1);
         let second = w2.route(&chat(&system, "cancel it please"), 2);
         assert_eq!(second.endpoint, first.endpoint);
         let Route::Routed {
@@ -498,11 +612,14 @@ mod tests {
     fn fallback_spreads_by_in_flight_and_skips_down_endpoints() {
         let host = MemShared::new();
         let mut e = Engine::new(host, config(3, Policy::Prefix));
-        let picks: Vec<usize> = (0..3)
-            .map(|_| e.fallback(FallbackReason::NotRoutable, 0).endpoint)
+        let picks: Vec<Choice> = (0..3)
+            .map(|_| e.fallback(FallbackReason::NotRoutable, 0))
             .collect();
-        assert_eq!(picks, vec![0, 1, 2]);
-        e.release(1, 0);
+        assert_eq!(
+            picks.iter().map(|c| c.endpoint).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        e.release(&picks[1].ticket, 0);
         assert_eq!(e.fallback(FallbackReason::NotRoutable, 0).endpoint, 1);
         // Endpoint 0 fails its scrapes twice: down.
         let pages = [None, Some(page(0, 0, 0.0)), Some(page(0, 0, 0.0))];
@@ -546,12 +663,12 @@ mod tests {
         tick_and_scrape(&mut e, 0, &[Some(page(9, 0, 0.0)), Some(page(1, 0, 0.0))]);
         let c = e.route(&chat("s", "a"), 10);
         assert_eq!(c.endpoint, 1, "shorter measured queue");
-        e.release(1, 10);
+        e.release(&c.ticket, 10);
         // Long after stale_after_ms (5 s) without new scrapes both are unmeasured: a tie.
         let mut seen = [false; 2];
         for i in 0..32 {
             let c = e.route(&chat("s", &format!("{i}")), 60_000);
-            e.release(c.endpoint, 60_000);
+            e.release(&c.ticket, 60_000);
             seen[c.endpoint] = true;
         }
         assert_eq!(seen, [true, true]);
@@ -565,14 +682,17 @@ mod tests {
         let idle = Some(page(0, 0, 0.0));
         tick_and_scrape(&mut w1, 0, &[idle.clone(), idle]);
         // w1 sends requests; w2 sees them without any new scrape.
-        let a = w1.route(&chat("s", "1"), 10).endpoint;
-        let b = w1.route(&chat("s", "2"), 10).endpoint;
-        assert_ne!(a, b, "the first in-flight request already counts");
+        let a = w1.route(&chat("s", "1"), 10);
+        let b = w1.route(&chat("s", "2"), 10);
+        assert_ne!(
+            a.endpoint, b.endpoint,
+            "the first in-flight request already counts"
+        );
         let c = w1.route(&chat("s", "3"), 10).endpoint;
         // w1 registered on its first request; peers learn of it on their next tick.
         w2.tick(15);
-        w1.release(a, 20);
-        w1.release(b, 20);
+        w1.release(&a.ticket, 20);
+        w1.release(&b.ticket, 20);
         let d = w2.route(&chat("s", "4"), 30).endpoint;
         assert_ne!(d, c, "w2 sees w1's remaining in-flight request");
     }
@@ -582,8 +702,9 @@ mod tests {
         let host = MemShared::new();
         let mut e = Engine::new(host, config(2, Policy::PrefixOnly));
         let body = chat(&"long shared prompt ".repeat(10), "q");
-        let first = e.route(&body, 0).endpoint;
-        e.release(first, 0);
+        let choice = e.route(&body, 0);
+        e.release(&choice.ticket, 0);
+        let first = choice.endpoint;
         let mut pages = vec![Some(page(0, 0, 0.0)), Some(page(0, 0, 0.0))];
         pages[first] = None;
         tick_and_scrape(&mut e, 1000, &pages);
@@ -597,15 +718,53 @@ mod tests {
         assert!(matches!(again.route, Route::Routed { cold: true, .. }));
     }
 
+    /// Core's side of the differential property: the in-memory `Router` and a `RequestLedger`
+    /// fed exactly what the plugin is documented to decide with.
+    struct CoreMirror {
+        cfg: PluginConfig,
+        router: Router,
+        ledger: RequestLedger,
+    }
+
+    impl CoreMirror {
+        fn new(cfg: &PluginConfig) -> Self {
+            let n = cfg.endpoints.len();
+            CoreMirror {
+                cfg: cfg.clone(),
+                router: Router::new(cfg.router_config(), n),
+                ledger: RequestLedger::new(n),
+            }
+        }
+
+        fn route(&mut self, body: &[u8], metrics: &[EngineMetrics]) -> (usize, Prediction) {
+            let hashes = hash_request(&parse_request(body).unwrap(), self.cfg.router_config().hash);
+            let (rates, lanes) = self.ledger.learned.estimate(&self.cfg.latency);
+            let loads: Vec<EndpointLoad> = (0..metrics.len())
+                .map(|e| {
+                    let mut load = estimate_load(Some(&metrics[e]), self.ledger.work[e], false);
+                    load.latency.ms_per_token = Some(rates[e]);
+                    load.latency.lanes = Some(lanes);
+                    load
+                })
+                .collect();
+            let d = self.router.pick(&hashes, &loads);
+            let p = self.router.prediction_for(&d, &hashes, &loads[d.endpoint]);
+            self.router.commit(&d, &hashes);
+            self.ledger.sent(d.endpoint, p.uncached_tokens as u64);
+            (d.endpoint, p)
+        }
+    }
+
     /// The differential property the wasmtime harness checks end to end: with one VM, the
-    /// plugin's choices equal core's in-memory Router's for the same requests and loads.
+    /// plugin's choices equal core's in-memory Router's for the same requests and loads,
+    /// including what both learn from first bytes.
     #[test]
     fn one_instance_decides_exactly_like_core_router() {
         for policy in Policy::ALL {
             let host = MemShared::new();
             let cfg = config(4, policy);
             let mut engine = Engine::new(host, cfg.clone());
-            let mut core = Router::new(cfg.router_config(), 4);
+            let mut core = CoreMirror::new(&cfg);
             let metrics = [
                 EngineMetrics {
                     num_requests_waiting: Some(0.0),
@@ -644,30 +803,109 @@ mod tests {
                 })
                 .collect();
             tick_and_scrape(&mut engine, 0, &pages);
-            let mut in_flight = [0u32; 4];
-            let mut open: Vec<usize> = Vec::new();
+            let mut open: Vec<(Ticket, u64)> = Vec::new();
             let tenants: Vec<String> = (0..5)
                 .map(|t| format!("tenant {t} system prompt. ").repeat(8))
                 .collect();
+            let latency = cfg.latency;
             for i in 0..120u64 {
+                // Within stale_after_ms of the one scrape, as the core side assumes.
+                let now = 10 + 30 * i;
                 let body = chat(&tenants[(i * 7 % 5) as usize], &format!("question {i}"));
-                let hashes = hash_request(&parse_request(&body).unwrap(), cfg.router_config().hash);
-                let loads: Vec<EndpointLoad> = (0..4)
-                    .map(|e| estimate_load(Some(&metrics[e]), in_flight[e], false))
-                    .collect();
-                let expected = core.pick(&hashes, &loads);
-                core.commit(&expected, &hashes);
-                let got = engine.route(&body, 10 + i);
-                assert_eq!(got.endpoint, expected.endpoint, "{policy} request {i}");
-                in_flight[got.endpoint] += 1;
-                open.push(got.endpoint);
+                let (expected, prediction) = core.route(&body, &metrics);
+                let mut got = engine.route(&body, now);
+                assert_eq!(got.endpoint, expected, "{policy} request {i}");
+                // The first byte comes back after a time that depends on the work: the rate
+                // both sides learn from it must agree too. Every 17th is a failed answer.
+                let elapsed = 5 + prediction.uncached_tokens as u64 / 3 + i % 11;
+                let success = i % 17 != 0;
+                engine.first_byte(&mut got.ticket, success, now + elapsed);
+                let observation = success.then(|| Observation::of(&prediction, elapsed as f64));
+                let _ = core.ledger.first_byte(
+                    expected,
+                    prediction.uncached_tokens as u64,
+                    observation,
+                    &latency,
+                );
+                open.push((got.ticket, now + elapsed));
                 if i % 3 == 2 {
-                    let done = open.remove(0);
-                    in_flight[done] -= 1;
-                    engine.release(done, 10 + i);
+                    let (ticket, _) = open.remove(0);
+                    core.ledger.done(ticket.endpoint, None);
+                    engine.release(&ticket, now + 20);
                 }
             }
+            let learned = core
+                .ledger
+                .learned
+                .rates
+                .iter()
+                .any(|r| r.work_tokens > 0.0);
+            assert!(learned, "{policy}: first bytes taught the model something");
         }
+    }
+
+    #[test]
+    fn a_reset_before_the_first_byte_releases_the_prefill_work() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let c = e.route(&chat(&"doc ".repeat(200), "q"), 0);
+        let pooled = e.ledger.totals(&host, 0);
+        assert_eq!(pooled.work[c.endpoint].prefilling, 1);
+        assert!(pooled.work[c.endpoint].prefill_tokens > 100);
+        e.release(&c.ticket, 5);
+        let pooled = e.ledger.totals(&host, 5);
+        assert_eq!(pooled.work[c.endpoint], EndpointWork::default());
+        // First byte then end: released once each, nothing left over.
+        let mut c = e.route(&chat(&"doc ".repeat(200), "q2"), 10);
+        e.first_byte(&mut c.ticket, true, 40);
+        e.first_byte(&mut c.ticket, true, 41);
+        e.release(&c.ticket, 50);
+        assert_eq!(
+            e.ledger.totals(&host, 50).work[c.endpoint],
+            EndpointWork::default()
+        );
+    }
+
+    #[test]
+    fn absurd_first_bytes_are_counted_and_teach_nothing() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let mut c = e.route(&chat("s", "q"), 100);
+        // The clock went backwards: zero elapsed time.
+        e.first_byte(&mut c.ticket, true, 50);
+        let events = e.drain_events();
+        assert!(
+            events.contains(&Event::Observations {
+                used: 0,
+                refused: 1
+            }),
+            "{events:?}"
+        );
+        let learned = &e.ledger.totals(&host, 100).learned;
+        assert!(learned.rates.iter().all(|r| r.work_tokens == 0.0));
+    }
+
+    #[test]
+    fn a_reported_cache_bounds_the_belief_and_an_unreported_one_is_counted() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let with_capacity = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1\n";
+        tick_and_scrape(
+            &mut e,
+            0,
+            &[Some(with_capacity.into()), Some(page(0, 0, 0.0))],
+        );
+        let events = e.drain_events();
+        assert!(events.contains(&Event::CapacityUnreported(1)));
+        assert!(!events.contains(&Event::CapacityUnreported(0)));
+        // 10 blocks of 16 tokens = 40 of the router's blocks of 4.
+        e.route(&chat("s", "q"), 10);
+        assert_eq!(e.router.store().room(0).capacity_blocks, 40);
+        assert_eq!(
+            e.router.store().room(1).capacity_blocks,
+            e.config().index_capacity_blocks
+        );
     }
 
     #[test]
@@ -675,8 +913,8 @@ mod tests {
         let host = MemShared::new();
         let mut e = Engine::new(host.clone(), config(4, Policy::Prefix));
         let system = "word ".repeat(400); // ~100 blocks of 4 tokens
-        let warm = e.route(&chat(&system, "q0"), 0).endpoint;
-        e.release(warm, 0);
+        let warm = e.route(&chat(&system, "q0"), 0);
+        e.release(&warm.ticket, 0);
         let (g0, s0) = host.calls();
         let c = e.route(&chat(&system, "q1 is new"), 1);
         let (g1, s1) = host.calls();

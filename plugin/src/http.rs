@@ -1,6 +1,7 @@
 //! The HTTP context: one per request. Pause on headers, buffer the body, decide, set the
-//! destination header, resume; decorate the response headers; release the in-flight count when
-//! the stream ends.
+//! destination header, resume; at the response headers (the first byte) release the request's
+//! prefill work, let the endpoint's prefill model learn how long it took, and explain the
+//! decision in response headers; release the in-flight count when the stream ends.
 //!
 //! Every host call here goes through [`crate::abi`] and every failure degrades to a fallback
 //! choice (or to no destination, which Envoy's override_host `fallback_policy` handles) plus a
@@ -131,7 +132,23 @@ impl Filter {
             return;
         };
         if let Ok(mut e) = engine.try_borrow_mut() {
-            e.release(choice.endpoint, abi::now_ms());
+            e.release(&choice.ticket, abi::now_ms());
+            flush(&mut e, &self.metrics);
+        }
+    }
+
+    /// The response headers arrived: the request's first byte.
+    fn first_byte(&mut self) {
+        let (Some(choice), Some(engine)) = (self.choice.as_mut(), self.engine.as_ref()) else {
+            return;
+        };
+        let status = abi::get_header_string(abi::RESPONSE_HEADERS, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| s.trim().parse::<u32>().ok());
+        let success = status.is_some_and(|s| (200..300).contains(&s));
+        if let Ok(mut e) = engine.try_borrow_mut() {
+            e.first_byte(&mut choice.ticket, success, abi::now_ms());
             flush(&mut e, &self.metrics);
         }
     }
@@ -199,6 +216,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.first_byte();
         let (Some(choice), Some(engine)) = (self.choice, self.engine.as_ref()) else {
             return Action::Continue;
         };
@@ -213,6 +231,7 @@ impl HttpContext for Filter {
                 policy,
                 matched_blocks,
                 total_blocks,
+                prediction,
                 ..
             } => {
                 headers.push(("x-prefixroute-policy", policy.name().to_string()));
@@ -220,6 +239,14 @@ impl HttpContext for Filter {
                     "x-prefixroute-match",
                     format!("{matched_blocks}/{total_blocks}"),
                 ));
+                if let Some(p) = prediction {
+                    headers.push((
+                        "x-prefixroute-uncached-tokens",
+                        p.uncached_tokens.to_string(),
+                    ));
+                    headers.push(("x-prefixroute-queue-ms", format!("{:.0}", p.queue_ms)));
+                    headers.push(("x-prefixroute-ttft-ms", format!("{:.0}", p.ttft_ms)));
+                }
             }
             Route::Fallback(reason) => {
                 headers.push(("x-prefixroute-policy", "fallback".to_string()));

@@ -2,8 +2,8 @@
 //!
 //! The decision logic that is not proxy-wasm-specific lives in pure modules that build and
 //! test natively: [`codec`] (shared-data value layouts), [`shared`] (the CAS key-value
-//! abstraction), [`store`] (the prefix index in shared data), [`inflight`] (per-worker
-//! in-flight counts), [`pbstruct`] (Struct configurations), [`scrape`] (scrape lease and results), [`fallback`], [`settings`],
+//! abstraction), [`store`] (the prefix index in shared data), [`ledger`] (per-worker
+//! in-flight requests, prefill work and what was learned from first bytes), [`pbstruct`] (Struct configurations), [`scrape`] (scrape lease and results), [`fallback`], [`settings`],
 //! [`stats`] and [`engine`], which ties them together. The proxy-wasm contexts (`root`,
 //! `http`) and the raw host calls (`abi`, `host`) are compiled for wasm only.
 //!
@@ -12,7 +12,7 @@
 pub mod codec;
 pub mod engine;
 pub mod fallback;
-pub mod inflight;
+pub mod ledger;
 pub mod pbstruct;
 pub mod scrape;
 pub mod settings;

@@ -112,6 +112,29 @@ pub struct Transition {
     pub came_up: bool,
     /// The endpoint restarted: its index window was advanced past everything recorded.
     pub forgot: bool,
+    /// The scrape succeeded but did not say how large the endpoint's cache is
+    /// (`vllm:cache_config_info` with `num_gpu_blocks` and `block_size`).
+    pub no_capacity: bool,
+}
+
+/// The cache a scrape reports, in tokens: `num_gpu_blocks × block_size`, or `None` when
+/// either is missing or zero (vLLM reports "None" blocks before its memory profile).
+pub fn reported_capacity_tokens(metrics: &EngineMetrics) -> Option<u64> {
+    let blocks = metrics.num_gpu_blocks.filter(|&b| b > 0)?;
+    let block_size = metrics.block_size.filter(|&b| b > 0)?;
+    Some(blocks.saturating_mul(u64::from(block_size)))
+}
+
+/// The window of an endpoint in the router's blocks: the reported cache when there is one,
+/// never more than the configured capacity (which also stands when nothing is reported).
+pub fn capacity_blocks(state: &EndpointState, block_size: usize, configured: usize) -> usize {
+    if state.capacity_tokens == 0 {
+        return configured;
+    }
+    let blocks = state.capacity_tokens / block_size.max(1) as u64;
+    usize::try_from(blocks)
+        .unwrap_or(usize::MAX)
+        .clamp(1, configured.max(1))
 }
 
 /// Applies an observation to an endpoint record (pure).
@@ -147,12 +170,17 @@ pub fn apply(
             }
             if state.down || counter_reset {
                 state.clock = state.clock.saturating_add(capacity);
+                state.fill = 0;
                 t.forgot = true;
             }
             state.down = false;
             state.failures = 0;
             match observation {
                 Observation::Metrics(m) => {
+                    match reported_capacity_tokens(m) {
+                        Some(tokens) => state.capacity_tokens = tokens,
+                        None => t.no_capacity = true,
+                    }
                     state.metrics = Some(m.clone());
                     state.scraped_at_ms = now_ms;
                 }
@@ -265,10 +293,15 @@ mod tests {
     fn failures_mark_down_and_success_brings_up_and_forgets() {
         let mut s = EndpointState {
             clock: 50,
+            fill: 30,
             ..EndpointState::default()
         };
         let ok = observe(Some(200), PAGE.as_bytes(), "vllm:", None);
-        assert_eq!(apply(&mut s, &ok, 10, 2, 1000), Transition::default());
+        let no_capacity = Transition {
+            no_capacity: true,
+            ..Transition::default()
+        };
+        assert_eq!(apply(&mut s, &ok, 10, 2, 1000), no_capacity);
         assert_eq!(s.scraped_at_ms, 10);
         assert_eq!(
             apply(&mut s, &Observation::Failed, 20, 2, 1000),
@@ -288,6 +321,36 @@ mod tests {
         let t = apply(&mut s, &ok, 50, 2, 1000);
         assert!(t.came_up && t.forgot && !t.went_down);
         assert_eq!((s.down, s.failures, s.clock), (false, 0, 1050));
+        assert_eq!(s.fill, 0, "the belief starts empty");
+    }
+
+    #[test]
+    fn a_reported_cache_survives_failed_scrapes_and_bounds_the_window() {
+        let mut s = EndpointState::default();
+        let page =
+            format!("{PAGE}vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"100\"}} 1\n");
+        let ok = observe(Some(200), page.as_bytes(), "vllm:", None);
+        assert_eq!(apply(&mut s, &ok, 10, 2, 1000), Transition::default());
+        assert_eq!(s.capacity_tokens, 3200);
+        apply(&mut s, &Observation::Failed, 20, 2, 1000);
+        assert_eq!(s.capacity_tokens, 3200, "a timeout does not shrink a cache");
+        // 3200 tokens in the router's blocks of 16: 200; never above the configured window.
+        assert_eq!(capacity_blocks(&s, 16, 31_250), 200);
+        assert_eq!(capacity_blocks(&s, 16, 50), 50);
+        assert_eq!(capacity_blocks(&EndpointState::default(), 16, 50), 50);
+        // "None" blocks (before vLLM's memory profile) and zero sizes report nothing.
+        let unprofiled = EngineMetrics {
+            num_gpu_blocks: Some(0),
+            block_size: Some(16),
+            ..EngineMetrics::default()
+        };
+        assert_eq!(reported_capacity_tokens(&unprofiled), None);
+        let huge = EngineMetrics {
+            num_gpu_blocks: Some(u64::MAX),
+            block_size: Some(16),
+            ..EngineMetrics::default()
+        };
+        assert_eq!(reported_capacity_tokens(&huge), Some(u64::MAX));
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub const REGISTRY_KEY: &str = "prefixroute/instances";
 
 /// Key of one instance's [`crate::codec::InstanceRecord`].
 pub fn instance_key(slot: u32) -> String {
-    format!("prefixroute/inflight/{slot}")
+    format!("prefixroute/ledger/{slot}")
 }
 
 /// Result of [`cas_update`].
@@ -222,6 +222,6 @@ mod tests {
             "prefixroute/ep/10.0.0.1:8000"
         );
         assert_eq!(bucket_key(16, 0xbeef), "prefixroute/ix/16/beef");
-        assert_eq!(instance_key(3), "prefixroute/inflight/3");
+        assert_eq!(instance_key(3), "prefixroute/ledger/3");
     }
 }

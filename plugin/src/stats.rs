@@ -48,10 +48,25 @@ pub enum Event {
     EndpointUp(usize),
     /// The endpoint restarted; its index entries were aged out.
     IndexForgotten(usize),
+    /// A scrape succeeded without saying how large the endpoint's cache is: its belief stays
+    /// bounded by the configured `index_capacity_blocks`.
+    CapacityUnreported(usize),
+    /// First bytes the prefill model learned from, and absurd ones it refused (zero,
+    /// negative, hours): those leave the model at what it knew (the prior at first).
+    Observations {
+        used: u32,
+        refused: u32,
+    },
     /// Current view of an endpoint, set on every tick.
     Gauges {
         endpoint: usize,
         in_flight: u32,
+        /// Prefill tokens of requests in flight there whose first byte has not come back.
+        prefill_tokens: u64,
+        /// The believed cache's capacity (reported, or configured).
+        capacity_blocks: u64,
+        /// The learned prefill cost.
+        prefill_ns_per_token: u64,
         down: bool,
     },
 }
@@ -153,20 +168,54 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
         Event::EndpointDown(_) => vec![counter("prefixroute.endpoint_down".into(), 1)],
         Event::EndpointUp(_) => vec![counter("prefixroute.endpoint_up".into(), 1)],
         Event::IndexForgotten(_) => vec![counter("prefixroute.index_forgotten".into(), 1)],
+        Event::CapacityUnreported(_) => {
+            vec![counter("prefixroute.scrape.no_capacity".into(), 1)]
+        }
+        Event::Observations { used, refused } => {
+            let mut v = Vec::new();
+            if *used > 0 {
+                v.push(counter(
+                    "prefixroute.latency.observations".into(),
+                    u64::from(*used),
+                ));
+            }
+            if *refused > 0 {
+                v.push(counter(
+                    "prefixroute.latency.observations_refused".into(),
+                    u64::from(*refused),
+                ));
+            }
+            v
+        }
         Event::Gauges {
             endpoint,
             in_flight,
+            prefill_tokens,
+            capacity_blocks,
+            prefill_ns_per_token,
             down,
-        } => vec![
-            gauge(
-                format!("prefixroute.endpoint.{}.in_flight", name(*endpoint)),
-                u64::from(*in_flight),
-            ),
-            gauge(
-                format!("prefixroute.endpoint.{}.down", name(*endpoint)),
-                u64::from(*down),
-            ),
-        ],
+        } => {
+            let e = name(*endpoint);
+            vec![
+                gauge(
+                    format!("prefixroute.endpoint.{e}.in_flight"),
+                    u64::from(*in_flight),
+                ),
+                gauge(
+                    format!("prefixroute.endpoint.{e}.prefill_tokens"),
+                    *prefill_tokens,
+                ),
+                gauge(
+                    format!("prefixroute.endpoint.{e}.capacity_blocks"),
+                    *capacity_blocks,
+                ),
+                gauge(
+                    format!("prefixroute.endpoint.{e}.prefill_ns_per_token"),
+                    *prefill_ns_per_token,
+                ),
+                gauge(format!("prefixroute.endpoint.{e}.down"), u64::from(*down)),
+            ]
+        }
     }
 }
 
@@ -200,6 +249,9 @@ mod tests {
             &Event::Gauges {
                 endpoint: 1,
                 in_flight: 4,
+                prefill_tokens: 900,
+                capacity_blocks: 128,
+                prefill_ns_per_token: 500_000,
                 down: true,
             },
             &names,
@@ -208,9 +260,31 @@ mod tests {
             u,
             vec![
                 gauge("prefixroute.endpoint.b.in_flight".into(), 4),
+                gauge("prefixroute.endpoint.b.prefill_tokens".into(), 900),
+                gauge("prefixroute.endpoint.b.capacity_blocks".into(), 128),
+                gauge(
+                    "prefixroute.endpoint.b.prefill_ns_per_token".into(),
+                    500_000
+                ),
                 gauge("prefixroute.endpoint.b.down".into(), 1)
             ]
         );
+        let u = updates(
+            &Event::Observations {
+                used: 3,
+                refused: 1,
+            },
+            &names,
+        );
+        assert_eq!(
+            u,
+            vec![
+                counter("prefixroute.latency.observations".into(), 3),
+                counter("prefixroute.latency.observations_refused".into(), 1)
+            ]
+        );
+        let u = updates(&Event::CapacityUnreported(0), &names);
+        assert_eq!(u[0].name, "prefixroute.scrape.no_capacity");
         let u = updates(&Event::CasGiveUps(3), &names);
         assert_eq!(u[0].op, Op::Add(3));
     }

@@ -27,6 +27,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
+use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
@@ -76,13 +77,23 @@ fn keep_score(f: Freshness) -> f64 {
     }
 }
 
-/// Applies `updates` (block hash, stamp) for `endpoint` to a bucket: drops expired holders,
-/// upserts, then sheds the least fresh holders/entries beyond the limits. Pure, so it is tested
-/// on its own.
+/// One holder write: `endpoint` holds `hash` with `stamp` (and, with `end`, a request's full
+/// blocks ended there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Update {
+    pub endpoint: u64,
+    pub hash: u64,
+    pub stamp: u64,
+    pub end: bool,
+}
+
+/// Applies `updates` to a bucket: drops expired holders, upserts (the newer stamp wins, an
+/// end mark stays), then sheds the least fresh holders/entries beyond the limits. Pure and
+/// idempotent (applying the same updates twice changes nothing), so it is tested on its own
+/// and a write that lost a CAS race re-applies its updates to the fresh value.
 pub fn apply_updates(
     bucket: &mut Bucket,
-    endpoint: u64,
-    updates: &[(u64, u64)],
+    updates: &[Update],
     ways: usize,
     freshness: &dyn Fn(u64, u64) -> Freshness,
 ) {
@@ -91,15 +102,26 @@ pub fn apply_updates(
             .holders
             .retain(|h| freshness(h.endpoint, h.stamp) != Freshness::Expired);
     }
-    for &(hash, stamp) in updates {
-        match bucket.entries.iter_mut().find(|e| e.hash == hash) {
-            Some(entry) => match entry.holders.iter_mut().find(|h| h.endpoint == endpoint) {
-                Some(h) => h.stamp = h.stamp.max(stamp),
-                None => entry.holders.push(Holder { endpoint, stamp }),
+    for u in updates {
+        match bucket.entries.iter_mut().find(|e| e.hash == u.hash) {
+            Some(entry) => match entry.holders.iter_mut().find(|h| h.endpoint == u.endpoint) {
+                Some(h) => {
+                    h.stamp = h.stamp.max(u.stamp);
+                    h.end |= u.end;
+                }
+                None => entry.holders.push(Holder {
+                    endpoint: u.endpoint,
+                    stamp: u.stamp,
+                    end: u.end,
+                }),
             },
             None => bucket.entries.push(Entry {
-                hash,
-                holders: vec![Holder { endpoint, stamp }],
+                hash: u.hash,
+                holders: vec![Holder {
+                    endpoint: u.endpoint,
+                    stamp: u.stamp,
+                    end: u.end,
+                }],
             }),
         }
     }
@@ -152,11 +174,13 @@ struct Slot<T> {
     cas: Option<u32>,
 }
 
-/// Per-request read cache.
+/// Per-request read cache, and the request's index writes, applied to the cached buckets at
+/// once (so the request reads its own writes) and sent to shared data by `end_request`.
 #[derive(Debug, Default)]
 struct Cache {
     states: BTreeMap<usize, Slot<EndpointState>>,
     buckets: BTreeMap<u64, Slot<Bucket>>,
+    pending: BTreeMap<u64, Vec<Update>>,
     stats: StoreStats,
 }
 
@@ -169,8 +193,11 @@ pub struct SharedIndex<H: SharedData> {
     /// (id, index) sorted by id, to resolve holders.
     by_id: Vec<(u64, usize)>,
     state_keys: Vec<String>,
+    /// The configured capacity (what the table is sized for).
     capacity: u64,
-    refresh_after: u64,
+    /// Each endpoint's window: the configured capacity, or less where the endpoint reports a
+    /// smaller cache (core's `PrefixStore::set_capacity`).
+    capacities: Vec<u64>,
     bits: u32,
     cache: RefCell<Cache>,
 }
@@ -191,9 +218,9 @@ impl<H: SharedData> SharedIndex<H> {
             host,
             state_keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             by_id,
+            capacities: vec![capacity; ids.len()],
             ids,
             capacity,
-            refresh_after: (capacity / 4).max(1),
             bits: table_bits(addresses.len(), capacity_blocks),
             cache: RefCell::new(Cache::default()),
         }
@@ -211,15 +238,29 @@ impl<H: SharedData> SharedIndex<H> {
         self.capacity
     }
 
+    /// The window of `endpoint`.
+    pub fn endpoint_capacity(&self, endpoint: usize) -> u64 {
+        self.capacities
+            .get(endpoint)
+            .copied()
+            .unwrap_or(self.capacity)
+    }
+
     /// Forget cached reads: call before each request so it sees other workers' writes.
     pub fn begin_request(&mut self) {
         let cache = self.cache.get_mut();
         cache.states.clear();
         cache.buckets.clear();
+        cache.pending.clear();
     }
 
-    /// Drops the request's cache and returns the counters it produced.
+    /// Sends the request's index writes (one CAS per bucket touched), drops the request's
+    /// cache and returns the counters it produced.
     pub fn end_request(&mut self) -> StoreStats {
+        let pending = std::mem::take(&mut self.cache.get_mut().pending);
+        for (bucket, updates) in pending {
+            self.write_bucket(bucket, &updates);
+        }
         let cache = self.cache.get_mut();
         cache.states.clear();
         cache.buckets.clear();
@@ -313,7 +354,7 @@ impl<H: SharedData> SharedIndex<H> {
 
     /// Reads go through the cache without copying the bucket: `longest_match` asks every
     /// endpoint about every block, so this is the plugin's hottest path.
-    fn stamp(&self, hash: u64, endpoint_id: u64) -> Option<u64> {
+    fn holder(&self, hash: u64, endpoint_id: u64) -> Option<Holder> {
         let bucket = self.bucket_of(hash);
         if !self.cache.borrow().buckets.contains_key(&bucket) {
             self.fetch_bucket(bucket)?;
@@ -323,7 +364,11 @@ impl<H: SharedData> SharedIndex<H> {
             .buckets
             .get(&bucket)?
             .value
-            .stamp(hash, endpoint_id)
+            .holder(hash, endpoint_id)
+    }
+
+    fn stamp(&self, hash: u64, endpoint_id: u64) -> Option<u64> {
+        self.holder(hash, endpoint_id).map(|h| h.stamp)
     }
 
     /// How many leading blocks of `chain` the endpoint holds, by binary search, and the held
@@ -336,10 +381,10 @@ impl<H: SharedData> SharedIndex<H> {
     /// dominates a warm request). Only near the capacity window's edge can stamps from
     /// different records leave a gap, and then the answer is an approximation, as the whole
     /// index is (a belief about caches that evict on their own).
-    fn probe(&self, id: u64, clock: u64, chain: &[u64]) -> (usize, Vec<usize>) {
+    fn probe(&self, id: u64, clock: u64, capacity: u64, chain: &[u64]) -> (usize, Vec<usize>) {
         let holds = |i: usize| {
             self.stamp(chain[i], id)
-                .is_some_and(|s| held(clock, s, self.capacity))
+                .is_some_and(|s| held(clock, s, capacity))
         };
         let n = chain.len();
         if n == 0 || !holds(0) {
@@ -368,25 +413,33 @@ impl<H: SharedData> SharedIndex<H> {
         match self.by_id.binary_search_by_key(&endpoint_id, |&(id, _)| id) {
             Err(_) => Freshness::Foreign,
             Ok(pos) => {
-                let clock = self.clock(self.by_id[pos].1);
+                let endpoint = self.by_id[pos].1;
+                let clock = self.clock(endpoint);
+                let capacity = self.endpoint_capacity(endpoint);
                 let age = clock.saturating_sub(stamp);
-                if age >= self.capacity {
+                if age >= capacity {
                     Freshness::Expired
                 } else {
-                    Freshness::Live(1.0 - age as f64 / self.capacity as f64)
+                    Freshness::Live(1.0 - age as f64 / capacity as f64)
                 }
             }
         }
     }
 
-    /// Advances `endpoint`'s clock by `n` with a CAS; returns the new clock, or `None` when the
-    /// write failed (counted).
-    fn advance_clock(&self, endpoint: usize, n: u64) -> Option<u64> {
+    /// Advances `endpoint`'s clock by `n` stamps, of which `new` are blocks it did not hold,
+    /// with a CAS (with `restart`, its belief is emptied: it holds nothing); returns the new
+    /// clock, or `None` when the write failed (counted).
+    fn advance_clock(&self, endpoint: usize, n: u64, new: u64, restart: bool) -> Option<u64> {
         let key = self.state_keys.get(endpoint)?;
         for _ in 0..CAS_ATTEMPTS {
             let slot = self.load_state(endpoint)?;
             let mut next = slot.value;
             next.clock = next.clock.saturating_add(n);
+            next.fill = if restart {
+                0
+            } else {
+                next.fill.saturating_add(new)
+            };
             match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
                 Ok(()) => {
                     let clock = next.clock;
@@ -412,14 +465,31 @@ impl<H: SharedData> SharedIndex<H> {
         None
     }
 
-    fn write_bucket(&self, bucket: u64, endpoint_id: u64, updates: &[(u64, u64)]) {
+    /// Applies `updates` to the cached bucket now (so this request reads its own writes) and
+    /// queues them for `end_request`. The cached CAS token stays the one of our read.
+    fn queue_updates(&self, bucket: u64, updates: Vec<Update>) {
+        let Some(slot) = self.load_bucket(bucket, false) else {
+            return;
+        };
+        let mut value = slot.value;
+        apply_updates(&mut value, &updates, WAYS, &|id, stamp| {
+            self.freshness(id, stamp)
+        });
+        let mut cache = self.cache.borrow_mut();
+        if let Some(cached) = cache.buckets.get_mut(&bucket) {
+            cached.value = value;
+        }
+        cache.pending.entry(bucket).or_default().extend(updates);
+    }
+
+    fn write_bucket(&self, bucket: u64, updates: &[Update]) {
         let key = bucket_key(self.bits, bucket);
         for _ in 0..CAS_ATTEMPTS {
             let Some(slot) = self.load_bucket(bucket, true) else {
                 return;
             };
             let mut next = slot.value;
-            apply_updates(&mut next, endpoint_id, updates, WAYS, &|id, stamp| {
+            apply_updates(&mut next, updates, WAYS, &|id, stamp| {
                 self.freshness(id, stamp)
             });
             match self.host.set(&key, &next.encode(), slot.cas.unwrap_or(0)) {
@@ -451,7 +521,8 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let Some(&id) = self.ids.get(endpoint) else {
             return 0;
         };
-        self.probe(id, self.clock(endpoint), chain).0
+        let capacity = self.endpoint_capacity(endpoint);
+        self.probe(id, self.clock(endpoint), capacity, chain).0
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
@@ -459,10 +530,12 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         };
         let clock = self.clock(endpoint);
-        let (matched, probes) = self.probe(id, clock, chain);
+        let capacity = self.endpoint_capacity(endpoint);
+        let refresh_after = (capacity / 4).max(1);
+        let (matched, probes) = self.probe(id, clock, capacity, chain);
         let needs_stamp = |hash: u64| {
             self.stamp(hash, id)
-                .map_or(true, |s| clock.saturating_sub(s) >= self.refresh_after)
+                .map_or(true, |s| clock.saturating_sub(s) >= refresh_after)
         };
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
         // then reading every block of it again would only confirm that. When one is old
@@ -480,26 +553,105 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         }
         let n = stale.len() as u64;
-        let Some(new_clock) = self.advance_clock(endpoint, n) else {
+        let new = chain.len().saturating_sub(matched) as u64;
+        let Some(new_clock) = self.advance_clock(endpoint, n, new, false) else {
             return;
         };
         // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
         // window slides the tail of a prompt ages out before its shared head (as in core).
-        let mut by_bucket: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
         for (k, &hash) in stale.iter().enumerate() {
-            let stamp = new_clock - k as u64;
             by_bucket
                 .entry(self.bucket_of(hash))
                 .or_default()
-                .push((hash, stamp));
+                .push(Update {
+                    endpoint: id,
+                    hash,
+                    stamp: new_clock - k as u64,
+                    end: false,
+                });
         }
         for (bucket, updates) in by_bucket {
-            self.write_bucket(bucket, id, &updates);
+            self.queue_updates(bucket, updates);
         }
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {
-        self.advance_clock(endpoint, self.capacity);
+        let capacity = self.endpoint_capacity(endpoint);
+        self.advance_clock(endpoint, capacity, 0, true);
+    }
+
+    fn set_capacity(&mut self, endpoint: usize, blocks: usize) {
+        if let Some(slot) = self.capacities.get_mut(endpoint) {
+            *slot = (blocks as u64).clamp(1, self.capacity);
+        }
+    }
+
+    fn room(&self, endpoint: usize) -> CacheRoom {
+        if endpoint >= self.ids.len() {
+            return CacheRoom::default();
+        }
+        let capacity = self.endpoint_capacity(endpoint);
+        // New blocks since the belief was emptied, up to the capacity: exactly core's LRU
+        // size while the window holds, an approximation beyond (like the whole index).
+        let believed = self.endpoint_state(endpoint).fill.min(capacity);
+        CacheRoom {
+            capacity_blocks: capacity as usize,
+            believed_blocks: believed as usize,
+        }
+    }
+
+    fn mark_end(&mut self, endpoint: usize, hash: u64) {
+        let Some(&id) = self.ids.get(endpoint) else {
+            return;
+        };
+        let bucket = self.bucket_of(hash);
+        {
+            let mut cache = self.cache.borrow_mut();
+            if let Some(update) = cache
+                .pending
+                .get_mut(&bucket)
+                .and_then(|u| u.iter_mut().find(|u| u.endpoint == id && u.hash == hash))
+            {
+                // Recorded by this request: the mark rides on that write.
+                update.end = true;
+                let update = *update;
+                if let Some(h) = cache
+                    .buckets
+                    .get_mut(&bucket)
+                    .and_then(|b| b.value.entries.iter_mut().find(|e| e.hash == hash))
+                    .and_then(|e| e.holders.iter_mut().find(|h| h.endpoint == update.endpoint))
+                {
+                    h.end = true;
+                }
+                return;
+            }
+        }
+        // Held already (a request that repeats an earlier one exactly): mark it, unless it is.
+        let clock = self.clock(endpoint);
+        let capacity = self.endpoint_capacity(endpoint);
+        match self.holder(hash, id) {
+            Some(h) if !h.end && held(clock, h.stamp, capacity) => self.queue_updates(
+                bucket,
+                vec![Update {
+                    endpoint: id,
+                    hash,
+                    stamp: h.stamp,
+                    end: true,
+                }],
+            ),
+            _ => {}
+        }
+    }
+
+    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool {
+        let (Some(&id), Some(last)) = (self.ids.get(endpoint), matched.checked_sub(1)) else {
+            return false;
+        };
+        chain
+            .get(last)
+            .and_then(|&hash| self.holder(hash, id))
+            .is_some_and(|h| h.end)
     }
 }
 
@@ -508,6 +660,22 @@ mod tests {
     use super::*;
     use crate::shared::MemShared;
     use prefixroute_core::PrefixIndex;
+
+    fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
+        stamps
+            .iter()
+            .map(|&(hash, stamp)| Update {
+                endpoint,
+                hash,
+                stamp,
+                end: false,
+            })
+            .collect()
+    }
+
+    fn stamp(b: &Bucket, hash: u64, endpoint: u64) -> Option<u64> {
+        b.holder(hash, endpoint).map(|h| h.stamp)
+    }
 
     fn addrs(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect()
@@ -541,22 +709,23 @@ mod tests {
                 Freshness::Live(stamp as f64 / 100.0)
             }
         };
-        apply_updates(&mut b, 5, &[(1, 50), (2, 60)], 3, &f);
-        apply_updates(&mut b, 6, &[(1, 70)], 3, &f);
-        assert_eq!(b.stamp(1, 5), Some(50));
-        assert_eq!(b.stamp(1, 6), Some(70));
+        apply_updates(&mut b, &up(5, &[(1, 50), (2, 60)]), 3, &f);
+        apply_updates(&mut b, &up(6, &[(1, 70)]), 3, &f);
+        assert_eq!(stamp(&b, 1, 5), Some(50));
+        assert_eq!(stamp(&b, 1, 6), Some(70));
         // Re-recording keeps the newer stamp.
-        apply_updates(&mut b, 5, &[(1, 40)], 3, &f);
-        assert_eq!(b.stamp(1, 5), Some(50));
+        apply_updates(&mut b, &up(5, &[(1, 40)]), 3, &f);
+        assert_eq!(stamp(&b, 1, 5), Some(50));
         // Expired holders vanish; an entry with no holder left is dropped.
         b.entries.push(Entry {
             hash: 9,
             holders: vec![Holder {
                 endpoint: 7,
                 stamp: 0,
+                end: false,
             }],
         });
-        apply_updates(&mut b, 5, &[], 3, &f);
+        apply_updates(&mut b, &up(5, &[]), 3, &f);
         assert!(b.find(9).is_none());
         // Over capacity: the least fresh entry (foreign-only) goes first, then the stalest.
         b.entries.push(Entry {
@@ -564,12 +733,13 @@ mod tests {
             holders: vec![Holder {
                 endpoint: 8,
                 stamp: 1,
+                end: false,
             }],
         });
-        apply_updates(&mut b, 5, &[(3, 90)], 3, &f);
+        apply_updates(&mut b, &up(5, &[(3, 90)]), 3, &f);
         assert_eq!(b.entries.len(), 3);
         assert!(b.find(10).is_none(), "foreign-only entry shed first");
-        apply_updates(&mut b, 5, &[(4, 95)], 3, &f);
+        apply_updates(&mut b, &up(5, &[(4, 95)]), 3, &f);
         assert!(b.find(2).is_none(), "stalest live entry (60) shed next");
         assert!(b.find(1).is_some() && b.find(3).is_some() && b.find(4).is_some());
     }
@@ -579,7 +749,7 @@ mod tests {
         let mut b = Bucket::default();
         let f = |_: u64, stamp: u64| Freshness::Live(stamp as f64 / 1000.0);
         for e in 0..(MAX_HOLDERS as u64 + 4) {
-            apply_updates(&mut b, e, &[(1, 100 + e)], WAYS, &f);
+            apply_updates(&mut b, &up(e, &[(1, 100 + e)]), WAYS, &f);
         }
         let holders = &b.find(1).unwrap().holders;
         assert_eq!(holders.len(), MAX_HOLDERS);
@@ -602,7 +772,9 @@ mod tests {
         for (e, chain) in &chains {
             shared.begin_request();
             shared.record(*e, chain);
+            shared.mark_end(*e, *chain.last().unwrap());
             core.record(*e, chain);
+            core.mark_end(*e, *chain.last().unwrap());
             shared.end_request();
         }
         let probes = [
@@ -614,14 +786,88 @@ mod tests {
         ];
         shared.begin_request();
         for e in 0..3 {
+            assert_eq!(shared.room(e), core.room(e), "endpoint {e}");
             for p in &probes {
+                let m = shared.longest_match(e, p);
+                assert_eq!(m, core.longest_match(e, p), "endpoint {e} probe {p:?}");
                 assert_eq!(
-                    shared.longest_match(e, p),
-                    core.longest_match(e, p),
+                    shared.continues(e, p, m),
+                    core.continues(e, p, m),
                     "endpoint {e} probe {p:?}"
                 );
             }
         }
+        assert!(
+            shared.continues(0, &[1, 2, 3, 5, 6, 7], 5),
+            "ends where a request ended"
+        );
+        assert!(
+            !shared.continues(0, &[1, 2, 3, 4, 8], 3),
+            "a shared head only"
+        );
+    }
+
+    #[test]
+    fn a_reported_capacity_narrows_one_endpoints_window() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host, &addrs(2), 100);
+        s.set_capacity(0, 3);
+        s.set_capacity(1, 1000);
+        assert_eq!(
+            s.endpoint_capacity(1),
+            100,
+            "never above the configured window"
+        );
+        s.begin_request();
+        s.record(0, &[1, 2, 3, 4]);
+        s.record(1, &[1, 2, 3, 4]);
+        s.end_request();
+        s.begin_request();
+        // Stamps 1..=4 with the head newest: the tail block aged out of a window of 3.
+        assert_eq!(s.longest_match(0, &[1, 2, 3, 4]), 3);
+        assert_eq!(s.longest_match(1, &[1, 2, 3, 4]), 4);
+        assert_eq!(
+            s.room(0),
+            CacheRoom {
+                capacity_blocks: 3,
+                believed_blocks: 3
+            }
+        );
+        s.forget_endpoint(0);
+        s.end_request();
+        s.begin_request();
+        assert_eq!(s.room(0).believed_blocks, 0, "a restart empties the belief");
+        assert_eq!(s.longest_match(0, &[1]), 0);
+    }
+
+    #[test]
+    fn writes_wait_for_the_end_of_the_request_and_take_one_cas_per_bucket() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(1), 1000);
+        s.begin_request();
+        let (_, sets_before) = host.calls();
+        let chain: Vec<u64> = (0..40).collect();
+        s.record(0, &chain);
+        s.mark_end(0, 39);
+        // The request reads its own writes before they are sent...
+        assert_eq!(s.longest_match(0, &chain), 40);
+        assert!(s.continues(0, &chain, 40));
+        let (_, sets_mid) = host.calls();
+        assert_eq!(
+            sets_mid - sets_before,
+            1,
+            "only the clock reservation so far"
+        );
+        s.end_request();
+        // ...and the end mark rode on the block's own write: one set per bucket touched.
+        let buckets: std::collections::BTreeSet<u64> = chain
+            .iter()
+            .map(|h| h & ((1 << s.table_bits()) - 1))
+            .collect();
+        let (_, sets_after) = host.calls();
+        assert_eq!(sets_after - sets_mid, buckets.len() as u64);
+        s.begin_request();
+        assert!(s.continues(0, &chain, 40), "visible to the next request");
     }
 
     #[test]

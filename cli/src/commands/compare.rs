@@ -19,12 +19,12 @@ use crate::envoy::{self, Balancer, EnvoyProcess, EnvoySetup};
 pub struct Args {
     /// Trace file (JSONL); default: `prefixroute trace`'s default trace.
     trace: Option<PathBuf>,
-    /// Policies to compare: round-robin and least-request are Envoy's own balancers; prefix,
-    /// prefix-only, least-queue and random are the plugin's.
+    /// Policies to compare: round-robin and least-request are Envoy's own balancers; latency,
+    /// prefix, prefix-only, least-queue and random are the plugin's.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "round-robin,least-request,prefix"
+        default_value = "round-robin,least-request,prefix,latency"
     )]
     policies: Vec<String>,
     #[arg(long, default_value_t = 3)]

@@ -3,6 +3,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use prefixroute_core::config::{PluginConfig, Policy, Weights};
+use prefixroute_core::latency::LatencyConfig;
 
 use crate::envoy::{self, Balancer, EnvoySetup};
 
@@ -19,9 +20,9 @@ pub struct Args {
     /// A model server: NAME=http://IP:PORT (repeat for each replica).
     #[arg(long = "endpoint", required = true)]
     endpoints: Vec<String>,
-    /// prefix, prefix-only, least-queue, random (the plugin), or round-robin, least-request
-    /// (Envoy's own balancers, no plugin).
-    #[arg(long, default_value = "prefix")]
+    /// latency, prefix, prefix-only, least-queue, random (the plugin), or round-robin,
+    /// least-request (Envoy's own balancers, no plugin).
+    #[arg(long, default_value = "latency")]
     policy: String,
     #[command(flatten)]
     plugin: PluginArgs,
@@ -45,6 +46,16 @@ pub struct PluginArgs {
     /// Scorer weights of the prefix policy.
     #[arg(long, default_value_t = Weights::default())]
     weights: Weights,
+    /// The latency policy's prior prefill cost per uncached token (it learns the real one).
+    #[arg(long, default_value_t = LatencyConfig::default().prefill_ms_per_token)]
+    prior_ms_per_token: f64,
+    /// The latency policy's fixed time per request besides prefill.
+    #[arg(long, default_value_t = LatencyConfig::default().overhead_ms)]
+    overhead_ms: f64,
+    /// The most sequences the latency policy assumes a replica prefills at once (it learns
+    /// how many do; 1 = one compute-bound batch from the start).
+    #[arg(long, default_value_t = LatencyConfig::default().lanes)]
+    lanes: u32,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Index capacity per endpoint, in blocks.
@@ -96,6 +107,9 @@ impl PluginArgs {
             seed: self.seed,
             ..PluginConfig::default()
         };
+        config.latency.prefill_ms_per_token = self.prior_ms_per_token;
+        config.latency.overhead_ms = self.overhead_ms;
+        config.latency.lanes = self.lanes;
         config.scrape.interval_ms = self.scrape_interval_ms;
         config.scrape.timeout_ms = self.scrape_timeout_ms;
         config.scrape.stale_after_ms = self.stale_after_ms;
@@ -112,7 +126,7 @@ pub fn balancer_for(policy: &str) -> Result<(Balancer, Policy)> {
         "round-robin" | "envoy-round-robin" => (Balancer::EnvoyRoundRobin, Policy::RoundRobin),
         "least-request" | "envoy-least-request" => (Balancer::EnvoyLeastRequest, Policy::LeastQueue),
         name => (Balancer::Plugin, name.parse::<Policy>().map_err(|_| {
-            anyhow::anyhow!("unknown policy {name:?} (expected prefix, prefix-only, least-queue, random, round-robin or least-request)")
+            anyhow::anyhow!("unknown policy {name:?} (expected latency, prefix, prefix-only, least-queue, random, round-robin or least-request)")
         })?),
     })
 }

@@ -3,16 +3,21 @@
 //!
 //! The test plays Envoy and the replicas: it ticks the root context every 250 ms, answers each
 //! scrape callout from a metrics page it generates (sometimes a failure, an unparseable page or
-//! a counter reset), finishes requests after a while, and mirrors on the core side exactly what
-//! the plugin is documented to believe: the last good scrape while fresh, down after
-//! `failures_to_down` failures, the endpoint's index forgotten when it comes back or its
-//! prefix-cache counter goes backwards, and the requests in flight.
+//! a counter reset; some endpoints report their cache size, one reports "None"), answers each
+//! request after a time that grows with its uncached tokens (sometimes with a 503, sometimes
+//! the client goes away before any answer), ends the streams later, and mirrors on the core
+//! side exactly what the plugin is documented to believe: the last good scrape while fresh,
+//! down after `failures_to_down` failures, the endpoint's index forgotten when it comes back
+//! or its prefix-cache counter goes backwards, its believed cache bounded by the size it
+//! reported, and a `RequestLedger` of the requests in flight, their prefill work until their
+//! first byte, and what their first bytes taught.
 
 use std::collections::BTreeMap;
 
 use host_tests::{CalloutReply, Host, Request, Vm};
 use prefixroute_core::config::PluginConfig;
 use prefixroute_core::hashing::hash_request;
+use prefixroute_core::latency::{Observation, Prediction, RequestLedger};
 use prefixroute_core::metrics::{parse_vllm, EngineMetrics};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::trace::{TraceShape, TraceSpec};
@@ -30,9 +35,12 @@ struct Mirror {
     failures: Vec<u32>,
     down: Vec<bool>,
     answered: Vec<u32>,
+    /// `num_gpu_blocks × block_size` last reported (0 = never).
+    capacity_tokens: Vec<u64>,
 }
 
-enum Observation {
+/// What a scrape answer tells the plugin.
+enum ScrapeResult {
     Metrics(EngineMetrics),
     Unparseable,
     Failed,
@@ -46,6 +54,15 @@ impl Mirror {
             failures: vec![0; N],
             down: vec![false; N],
             answered: vec![0; N],
+            capacity_tokens: vec![0; N],
+        }
+    }
+
+    /// The believed cache's capacity in the router's blocks (the plugin's documented rule).
+    fn capacity_blocks(&self, e: usize, block_size: usize, configured: usize) -> usize {
+        match self.capacity_tokens[e] {
+            0 => configured,
+            tokens => ((tokens / block_size as u64) as usize).clamp(1, configured),
         }
     }
 
@@ -53,13 +70,13 @@ impl Mirror {
     fn observe(
         &mut self,
         e: usize,
-        o: Observation,
+        o: ScrapeResult,
         now: u64,
         failures_to_down: u32,
         core: &mut Router,
     ) {
         match o {
-            Observation::Failed => {
+            ScrapeResult::Failed => {
                 self.metrics[e] = None;
                 self.failures[e] += 1;
                 if self.failures[e] >= failures_to_down {
@@ -68,7 +85,7 @@ impl Mirror {
             }
             o => {
                 let reset = match (&self.metrics[e], &o) {
-                    (Some(old), Observation::Metrics(new)) => matches!(
+                    (Some(old), ScrapeResult::Metrics(new)) => matches!(
                         (old.prefix_cache_queries_total, new.prefix_cache_queries_total),
                         (Some(before), Some(after)) if after < before
                     ),
@@ -80,7 +97,12 @@ impl Mirror {
                 self.down[e] = false;
                 self.failures[e] = 0;
                 match o {
-                    Observation::Metrics(m) => {
+                    ScrapeResult::Metrics(m) => {
+                        if let (Some(b), Some(s)) = (m.num_gpu_blocks, m.block_size) {
+                            if b > 0 && s > 0 {
+                                self.capacity_tokens[e] = b * u64::from(s);
+                            }
+                        }
                         self.metrics[e] = Some(m);
                         self.scraped_at[e] = now;
                     }
@@ -90,11 +112,11 @@ impl Mirror {
         }
     }
 
-    fn load(&self, e: usize, now: u64, stale_after: u64, in_flight: u32) -> EndpointLoad {
+    fn load(&self, e: usize, now: u64, stale_after: u64, ledger: &RequestLedger) -> EndpointLoad {
         let fresh = self.metrics[e]
             .as_ref()
             .filter(|_| now.saturating_sub(self.scraped_at[e]) <= stale_after);
-        estimate_load(fresh, in_flight, self.down[e])
+        estimate_load(fresh, ledger.work[e], self.down[e])
     }
 }
 
@@ -129,6 +151,14 @@ fn answer(e: usize, k: u32, seed: u64) -> CalloutReply {
         h % 7,
         (h >> 8) % 5,
     );
+    // Endpoints 0 and 2 report their cache (2 after its restart only), endpoint 1 reports it
+    // unprofiled ("None"), the others not at all: their belief keeps the configured bound.
+    match (e, k) {
+        (0, _) => page += "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"900\"} 1\n",
+        (2, 6..) => page += "vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"300\"} 1\n",
+        (1, _) => page += "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n",
+        _ => {}
+    }
     // Endpoint 4 sometimes has no KV series (an older server): unmeasured on that scorer.
     if !(e == 4 && k % 3 == 1) {
         page += &format!(
@@ -139,7 +169,7 @@ fn answer(e: usize, k: u32, seed: u64) -> CalloutReply {
     CalloutReply::ok(page)
 }
 
-fn observation(reply: &CalloutReply) -> Observation {
+fn scrape_result(reply: &CalloutReply) -> ScrapeResult {
     match reply {
         CalloutReply::Response {
             status: 200, body, ..
@@ -148,11 +178,11 @@ fn observation(reply: &CalloutReply) -> Observation {
                 .ok()
                 .map(|t| parse_vllm(t, "vllm:", None))
             {
-                Some(Ok(m)) => Observation::Metrics(m),
-                _ => Observation::Unparseable,
+                Some(Ok(m)) => ScrapeResult::Metrics(m),
+                _ => ScrapeResult::Unparseable,
             }
         }
-        _ => Observation::Failed,
+        _ => ScrapeResult::Failed,
     }
 }
 
@@ -164,6 +194,27 @@ struct Run {
     /// scripts really were in play.
     with_down: usize,
     with_unmeasured: usize,
+    /// First bytes the model learned from on the core side.
+    learned: usize,
+}
+
+/// A request in flight: what the plugin should say about it, and when its first byte and its
+/// end come (`first_byte` is `None` for a client that goes away before any answer).
+struct Open {
+    endpoint: usize,
+    sent: u64,
+    first_byte: Option<u64>,
+    end: u64,
+    status: u16,
+    prediction: Prediction,
+    headers: Vec<(&'static str, String)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    Tick,
+    FirstByte(u32),
+    End(u32),
 }
 
 fn run(extra: Value, spec: TraceSpec) -> Run {
@@ -173,61 +224,116 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
     let cfg = PluginConfig::from_json(raw.as_bytes()).expect("valid configuration");
     let mut vm: Vm = common::configured(&host, &c);
     let mut core = Router::new(cfg.router_config(), N);
+    let mut ledger = RequestLedger::new(N);
     let names: Vec<String> = (0..N).map(name).collect();
     let policy = cfg.policy.name();
     let trace = spec.generate().unwrap();
+    let block_size = cfg.block_size;
 
     let t0 = host.clock().now_ms();
     let tick = u64::from(vm.tick_period_ms());
     assert_eq!(tick, 250);
     let mut next_tick = t0;
     let mut mirror = Mirror::new();
-    let mut in_flight = [0u32; N];
-    // Open requests: finish time → (context id, endpoint).
-    let mut open: BTreeMap<(u64, u32), usize> = BTreeMap::new();
+    let mut open: BTreeMap<u32, Open> = BTreeMap::new();
     let mut run = Run {
         picks: vec![0; N],
         cold: 0,
         with_down: 0,
         with_unmeasured: 0,
+        learned: 0,
+    };
+
+    // The earliest thing due at or before `until`: ticks first on a tie, then first bytes,
+    // then ends, each in id order.
+    let next_due = |next_tick: u64, open: &BTreeMap<u32, Open>, until: u64| {
+        let mut best: Option<(u64, Due)> = (next_tick <= until).then_some((next_tick, Due::Tick));
+        for (&id, o) in open {
+            let (at, due) = match o.first_byte {
+                Some(t) => (t, Due::FirstByte(id)),
+                None => (o.end, Due::End(id)),
+            };
+            if at <= until && best.is_none_or(|b| (at, due) < b) {
+                best = Some((at, due));
+            }
+        }
+        best
     };
 
     for (i, record) in trace.iter().enumerate() {
         let now = t0 + (record.t * 1000.0) as u64;
-        // Everything due before this request, in time order (ticks first on a tie).
-        loop {
-            let finish = open.keys().next().map(|&(t, _)| t);
-            if next_tick <= now && finish.is_none_or(|f| next_tick <= f) {
-                host.clock().set_ms(next_tick);
-                vm.tick().unwrap();
-                for c in vm.pending_callouts() {
-                    let e = endpoint_of(&c.headers.get_str(":authority").unwrap());
-                    let reply = answer(e, mirror.answered[e], spec.seed);
-                    mirror.answered[e] += 1;
-                    let o = observation(&reply);
-                    vm.answer_callout(c.token, reply).unwrap();
-                    mirror.observe(e, o, next_tick, cfg.scrape.failures_to_down, &mut core);
+        while let Some((at, due)) = next_due(next_tick, &open, now) {
+            host.clock().set_ms(at);
+            match due {
+                Due::Tick => {
+                    vm.tick().unwrap();
+                    for c in vm.pending_callouts() {
+                        let e = endpoint_of(&c.headers.get_str(":authority").unwrap());
+                        let reply = answer(e, mirror.answered[e], spec.seed);
+                        mirror.answered[e] += 1;
+                        let o = scrape_result(&reply);
+                        vm.answer_callout(c.token, reply).unwrap();
+                        mirror.observe(e, o, at, cfg.scrape.failures_to_down, &mut core);
+                    }
+                    next_tick += tick;
                 }
-                next_tick += tick;
-            } else if let Some(f) = finish.filter(|&f| f <= now) {
-                let (&key, &e) = open.iter().next().unwrap();
-                open.remove(&key);
-                host.clock().set_ms(f);
-                vm.finish(key.1).unwrap();
-                in_flight[e] -= 1;
-            } else {
-                break;
+                Due::FirstByte(id) => {
+                    let o = open.get_mut(&id).unwrap();
+                    o.first_byte = None;
+                    let response = vm.respond(id, o.status).unwrap();
+                    for (header, value) in &o.headers {
+                        assert_eq!(
+                            response.get_str(header).as_deref(),
+                            Some(value.as_str()),
+                            "{policy} {header}"
+                        );
+                    }
+                    let success = o.status == 200;
+                    let elapsed = (at - o.sent) as f64;
+                    let observation = success.then(|| Observation::of(&o.prediction, elapsed));
+                    let uncached = o.prediction.uncached_tokens as u64;
+                    if ledger
+                        .first_byte(o.endpoint, uncached, observation, &cfg.latency)
+                        .is_ok()
+                        && success
+                    {
+                        run.learned += 1;
+                    }
+                    // Answered: the end comes later (the loop re-reads `end` as its due time).
+                }
+                Due::End(id) => {
+                    let o = open.remove(&id).unwrap();
+                    vm.finish(id).unwrap();
+                    // A stream that ended without any answer takes its prefill work with it.
+                    let answered = o.end != o.sent;
+                    let pending = (!answered).then_some(o.prediction.uncached_tokens as u64);
+                    ledger.done(o.endpoint, pending);
+                }
             }
         }
         host.clock().set_ms(now);
 
         let body = serde_json::to_vec(&record.body).unwrap();
         let hashes = hash_request(&parse_request(&body).unwrap(), cfg.router_config().hash);
+        for e in 0..N {
+            core.set_capacity(
+                e,
+                mirror.capacity_blocks(e, block_size, cfg.index_capacity_blocks),
+            );
+        }
+        let (rates, lanes) = ledger.learned.estimate(&cfg.latency);
         let loads: Vec<EndpointLoad> = (0..N)
-            .map(|e| mirror.load(e, now, cfg.scrape.stale_after_ms, in_flight[e]))
+            .map(|e| {
+                let mut load = mirror.load(e, now, cfg.scrape.stale_after_ms, &ledger);
+                load.latency.ms_per_token = Some(rates[e]);
+                load.latency.lanes = Some(lanes);
+                load
+            })
             .collect();
         let expected = core.pick(&hashes, &loads);
+        let prediction = core.prediction_for(&expected, &hashes, &loads[expected.endpoint]);
         core.commit(&expected, &hashes);
+        ledger.sent(expected.endpoint, prediction.uncached_tokens as u64);
 
         let x = vm.send(&Request::chat(body)).unwrap();
         let got = endpoint_of(&destination(&x));
@@ -239,23 +345,42 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
             names[got],
             expected.summary(&names)
         );
-        let response = vm.respond(x.id, 200).unwrap();
-        assert_eq!(
-            response.get_str("x-prefixroute-match"),
-            Some(format!(
-                "{}/{}",
-                expected.matched_blocks(),
-                expected.total_blocks
-            )),
-            "{policy} request {i}"
+        let mut headers = vec![
+            (
+                "x-prefixroute-match",
+                format!("{}/{}", expected.matched_blocks(), expected.total_blocks),
+            ),
+            ("x-prefixroute-policy", policy.to_string()),
+        ];
+        if let Some(p) = expected.prediction() {
+            headers.push(("x-prefixroute-ttft-ms", format!("{:.0}", p.ttft_ms)));
+            headers.push((
+                "x-prefixroute-uncached-tokens",
+                p.uncached_tokens.to_string(),
+            ));
+        }
+        // The replica answers after its prefill (and some noise), the stream ends later; every
+        // 13th request is answered 503, every 29th client leaves before any answer.
+        let h = mix(i as u64);
+        let ttft = 3 + prediction.uncached_tokens as u64 * 2 / 5 + h % 20;
+        let leaves = i % 29 == 28;
+        open.insert(
+            x.id,
+            Open {
+                endpoint: got,
+                sent: now,
+                first_byte: (!leaves).then_some(now + ttft),
+                // A client that leaves ends at once; `end == sent` marks it for the ledger.
+                end: if leaves {
+                    now
+                } else {
+                    now + ttft + 100 + (h >> 8) % 1500
+                },
+                status: if i % 13 == 12 { 503 } else { 200 },
+                prediction,
+                headers,
+            },
         );
-        assert_eq!(
-            response.get_str("x-prefixroute-policy").as_deref(),
-            Some(policy)
-        );
-        in_flight[got] += 1;
-        let duration = 200 + (mix(i as u64) % 1800);
-        open.insert((now + duration, x.id), got);
         run.picks[got] += 1;
         run.cold += usize::from(expected.cold);
         run.with_down += usize::from(loads.iter().any(|l| l.down));
@@ -266,6 +391,10 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
         let counter = format!("prefixroute.routed.{policy}.{name}");
         assert_eq!(host.stats().value(&counter), picks as i64, "{counter}");
     }
+    assert_eq!(
+        host.stats().value("prefixroute.latency.observations"),
+        run.learned as i64
+    );
     assert!(vm.trapped().is_none());
     assert!(
         mirror.answered.iter().all(|&k| k >= 7),
@@ -286,6 +415,45 @@ fn tenants(seed: u64) -> TraceSpec {
         seed,
         ..TraceSpec::default()
     }
+}
+
+#[test]
+fn latency_policy_matches_core() {
+    for (shape, seed) in [
+        (TraceShape::Tenants, 21),
+        (TraceShape::Conversations, 22),
+        (TraceShape::Rag, 23),
+    ] {
+        let r = run(
+            json!({"policy": "latency", "seed": seed}),
+            TraceSpec {
+                shape,
+                tenants: 5,
+                ..tenants(seed)
+            },
+        );
+        assert!(
+            r.learned > 50,
+            "first bytes taught the model: {}",
+            r.learned
+        );
+        assert!(r.with_down > 0 && r.with_unmeasured > 0);
+    }
+}
+
+#[test]
+fn latency_policy_with_its_own_priors_matches_core() {
+    run(
+        json!({
+            "policy": "latency",
+            "seed": 5,
+            "block_size": 8,
+            "index_capacity_blocks": 2000,
+            "latency": {"prefill_ms_per_token": 2.0, "overhead_ms": 1.0, "lanes": 4,
+                        "prior_tokens": 500.0, "fleet_tokens": 4000.0}
+        }),
+        tenants(6),
+    );
 }
 
 #[test]

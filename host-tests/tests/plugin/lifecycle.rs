@@ -93,7 +93,8 @@ fn a_body_that_ends_with_trailers_is_routed_on_the_trailers() {
     let response = vm.respond(x.id, 200).unwrap();
     assert_eq!(
         response.get_str("x-prefixroute-policy").as_deref(),
-        Some("prefix")
+        Some("latency"),
+        "the default policy"
     );
 }
 

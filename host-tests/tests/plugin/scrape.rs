@@ -146,8 +146,9 @@ fn a_scraped_queue_changes_routing() {
 
 #[test]
 fn a_scraped_kv_cache_moves_a_warm_prefix_off_a_saturated_holder() {
+    // The `prefix` policy's saturation filter (KV usage at 0.8 and above).
     let host = common::host();
-    let mut vm = common::configured(&host, &config(2, json!({})));
+    let mut vm = common::configured(&host, &config(2, json!({"policy": "prefix"})));
     tick_and_answer(&mut vm, |_| CalloutReply::ok(page(0.0, 0.0, 0.1)));
     let system = common::tenant_prompt(9);
     let holder = route(&mut vm, &chat_body(&system, "first"));

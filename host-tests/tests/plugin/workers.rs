@@ -62,17 +62,20 @@ fn gauges(host: &host_tests::Host, n: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Sum of the counts in every published instance record (`prefixroute/inflight/<slot>`:
-/// layout u8, nonce u64, heartbeat u64, n u16, n × (endpoint u64, count u32)).
+/// Sum of the in-flight counts in every published instance record
+/// (`prefixroute/ledger/<slot>`: layout u8, nonce u64, heartbeat u64, lane fit 8 × f64,
+/// growth 3 × f64, n u16, n × (endpoint u64, in_flight u32, prefilling u32,
+/// prefill_tokens u64, busy_ms f64, work_tokens f64)).
 fn published_total(host: &host_tests::Host) -> u64 {
+    const HEAD: usize = 1 + 8 + 8 + 8 * 8 + 3 * 8;
     host.shared()
-        .scan("prefixroute", "prefixroute/inflight/")
+        .scan("prefixroute", "prefixroute/ledger/")
         .into_iter()
         .map(|(_, v)| {
-            let n = u16::from_le_bytes([v[17], v[18]]) as usize;
+            let n = u16::from_le_bytes([v[HEAD], v[HEAD + 1]]) as usize;
             (0..n)
                 .map(|i| {
-                    let at = 19 + i * 12 + 8;
+                    let at = HEAD + 2 + i * 40 + 8;
                     u64::from(u32::from_le_bytes(v[at..at + 4].try_into().unwrap()))
                 })
                 .sum::<u64>()
