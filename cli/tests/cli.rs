@@ -174,6 +174,38 @@ fn simulate_shows_decisions_in_the_documented_form() {
 }
 
 #[test]
+fn output_into_a_closed_pipe_is_not_an_error() {
+    use std::io::Read;
+    // Far more output than a pipe buffers (64 KiB), so the write really meets the hang-up.
+    let trace = temp("pipe.jsonl");
+    let t = trace.to_str().unwrap();
+    assert!(prefixroute(&["trace", "--requests", "400", "-o", t])
+        .status
+        .success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_prefixroute"))
+        .args([
+            "simulate",
+            t,
+            "--policy",
+            "latency",
+            "--show-decisions",
+            "400",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one byte, then hang up, as `| head -c 1` does.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
+#[test]
 fn latency_decisions_explain_every_endpoints_prediction() {
     let trace = temp("latency-decisions.jsonl");
     assert!(prefixroute(&["trace", "-o", trace.to_str().unwrap()])

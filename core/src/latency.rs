@@ -159,9 +159,10 @@ pub enum ObservationError {
 pub struct Observation {
     pub backlog: Backlog,
     pub uncached_tokens: f64,
-    /// Cost per token and lanes the prediction used.
+    /// Cost per token, lanes and hold time the prediction used.
     pub ms_per_token: f64,
     pub lanes: u32,
+    pub hold_ms: f64,
     pub elapsed_ms: f64,
 }
 
@@ -174,13 +175,19 @@ impl Observation {
             uncached_tokens: prediction.uncached_tokens as f64,
             ms_per_token: prediction.ms_per_token,
             lanes: prediction.lanes,
+            hold_ms: prediction.hold_ms,
             elapsed_ms,
         }
     }
 
     /// The prefill work the request waited for and computed, by the prediction's model.
     pub fn work_tokens(&self) -> f64 {
-        self.uncached_tokens + self.backlog.queue(self.lanes).1
+        self.uncached_tokens + self.backlog.queue(self.lanes, self.hold_ms).tokens
+    }
+
+    /// The time it waited for lanes held by decoding, by the prediction's model.
+    pub fn hold_wait_ms(&self) -> f64 {
+        self.backlog.queue(self.lanes, self.hold_ms).hold_ms
     }
 
     pub fn check(&self) -> Result<(), ObservationError> {
@@ -194,6 +201,9 @@ impl Observation {
         if !(finite(self.uncached_tokens)
             && finite(self.backlog.holders)
             && finite(self.backlog.pending_tokens)
+            && finite(self.backlog.prefilling)
+            && finite(self.backlog.decoding)
+            && finite(self.hold_ms)
             && finite(self.ms_per_token))
         {
             return Err(ObservationError::BadWork);
@@ -261,7 +271,8 @@ impl PrefillRate {
         config: &LatencyConfig,
     ) -> Result<(), ObservationError> {
         observation.check()?;
-        let busy = (observation.elapsed_ms - config.overhead_ms).max(0.0);
+        let busy =
+            (observation.elapsed_ms - config.overhead_ms - observation.hold_wait_ms()).max(0.0);
         self.busy_ms += busy;
         self.work_tokens += observation.work_tokens();
         if self.work_tokens > config.window_tokens {
@@ -326,9 +337,10 @@ impl LaneFit {
     fn observe(&mut self, observation: &Observation, config: &LatencyConfig) {
         let obs = observation.elapsed_ms;
         let errors = LANE_MODELS.map(|lanes| {
-            let (_, queue_tokens) = observation.backlog.queue(lanes);
+            let wait = observation.backlog.queue(lanes, observation.hold_ms);
             let predicted = config.overhead_ms
-                + observation.ms_per_token * (observation.uncached_tokens + queue_tokens);
+                + observation.ms_per_token * (observation.uncached_tokens + wait.tokens)
+                + wait.hold_ms;
             let miss = (predicted.max(1e-3) / obs).ln();
             miss * miss
         });
@@ -384,6 +396,46 @@ pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
 pub struct LearnedModel {
     pub rates: Vec<PrefillRate>,
     pub lanes: LaneFit,
+    pub hold: HoldTime,
+}
+
+/// The fleet's mean lane hold after a first byte (a request decoding), as decayed sums. With
+/// non-streaming responses the first byte is the end, and it is about zero: the prefill cost
+/// learned from those first bytes includes decoding instead.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct HoldTime {
+    pub ms: f64,
+    pub count: f64,
+}
+
+impl HoldTime {
+    pub fn mean_ms(&self) -> f64 {
+        if self.count > 1e-9 && self.ms.is_finite() && self.ms >= 0.0 {
+            self.ms / self.count
+        } else {
+            0.0
+        }
+    }
+
+    fn observe(&mut self, ms: f64) -> Result<(), ObservationError> {
+        if !(ms.is_finite() && ms >= 0.0) {
+            return Err(ObservationError::NotPositive);
+        }
+        if ms > MAX_OBSERVED_MS {
+            return Err(ObservationError::TooLong);
+        }
+        self.ms = self.ms * LANE_FIT_KEEP + ms;
+        self.count = self.count * LANE_FIT_KEEP + 1.0;
+        Ok(())
+    }
+}
+
+/// What [`LearnedModel::estimate`] gives a decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    pub ms_per_token: Vec<f64>,
+    pub lanes: u32,
+    pub hold_ms: f64,
 }
 
 impl LearnedModel {
@@ -391,7 +443,13 @@ impl LearnedModel {
         LearnedModel {
             rates: vec![PrefillRate::default(); endpoints],
             lanes: LaneFit::default(),
+            hold: HoldTime::default(),
         }
+    }
+
+    /// Learns how long a request held its lane after its first byte.
+    pub fn observe_hold(&mut self, ms: f64) -> Result<(), ObservationError> {
+        self.hold.observe(ms)
     }
 
     /// Learns from one first byte of a request to `endpoint`; an unusable observation changes
@@ -427,14 +485,20 @@ impl LearnedModel {
                 *mine += theirs;
             }
         }
+        let h = other.hold;
+        if h.ms.is_finite() && h.ms >= 0.0 && h.count.is_finite() && h.count >= 0.0 {
+            self.hold.ms += h.ms;
+            self.hold.count += h.count;
+        }
     }
 
-    /// Every endpoint's cost per token and the fleet's lanes.
-    pub fn estimate(&self, config: &LatencyConfig) -> (Vec<f64>, u32) {
-        (
-            estimate_rates(&self.rates, config),
-            estimate_lanes(&[self.lanes], config),
-        )
+    /// Every endpoint's cost per token, the fleet's lanes and hold time.
+    pub fn estimate(&self, config: &LatencyConfig) -> Estimate {
+        Estimate {
+            ms_per_token: estimate_rates(&self.rates, config),
+            lanes: estimate_lanes(&[self.lanes], config),
+            hold_ms: self.hold.mean_ms(),
+        }
     }
 }
 
@@ -495,14 +559,24 @@ impl RequestLedger {
     }
 
     /// The stream ended; `prefill_pending` are its uncached tokens if its first byte never
-    /// came (a reset, a client that went away).
-    pub fn done(&mut self, endpoint: usize, prefill_pending: Option<u64>) {
+    /// came (a reset, a client that went away); `hold_ms`, for a request answered normally,
+    /// how long it held its lane after its first byte (`Err` if that was absurd).
+    pub fn done(
+        &mut self,
+        endpoint: usize,
+        prefill_pending: Option<u64>,
+        hold_ms: Option<f64>,
+    ) -> Result<(), ObservationError> {
         if let Some(w) = self.work.get_mut(endpoint) {
             w.in_flight = w.in_flight.saturating_sub(1);
             if let Some(tokens) = prefill_pending {
                 w.prefilling = w.prefilling.saturating_sub(1);
                 w.prefill_tokens = w.prefill_tokens.saturating_sub(tokens);
             }
+        }
+        match hold_ms {
+            Some(ms) => self.learned.observe_hold(ms),
+            None => Ok(()),
         }
     }
 }
@@ -525,6 +599,8 @@ pub struct LatencyInputs {
     pub ms_per_token: Option<f64>,
     /// `None` = not learned yet: the configured prior.
     pub lanes: Option<u32>,
+    /// Mean time a request holds its lane after its first byte (decoding); `None` = 0.
+    pub hold_ms: Option<f64>,
 }
 
 /// One endpoint's predicted time to first token for one request, and why.
@@ -533,13 +609,15 @@ pub struct Prediction {
     /// Prompt tokens the endpoint would reuse (believed), by the server's rules.
     pub cached_tokens: usize,
     pub uncached_tokens: usize,
-    /// What held the endpoint's lanes, and the lane count the prediction assumed.
+    /// What held the endpoint's lanes, and the lane count and hold time the prediction assumed.
     pub backlog: Backlog,
     pub lanes: u32,
+    pub hold_ms: f64,
     /// Requests ahead of this one that must finish before it gets a lane.
     pub queue_requests: f64,
-    /// Prefill tokens the request is predicted to wait for.
+    /// Prefill tokens the request is predicted to wait for, and decode time.
     pub queue_tokens: f64,
+    pub queue_hold_ms: f64,
     pub queue_ms: f64,
     pub ms_per_token: f64,
     pub ttft_ms: f64,
@@ -589,12 +667,25 @@ impl CacheRoom {
     }
 }
 
-/// What holds an endpoint's lanes when a request arrives: requests in flight there and the
-/// prefill work of those not yet past their first byte.
+/// What holds an endpoint's lanes when a request arrives: requests in flight there, the
+/// prefill work of those not yet past their first byte, and how many are past it (decoding).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Backlog {
     pub holders: f64,
     pub pending_tokens: f64,
+    /// Holders whose first byte has not come back (they still prefill, then decode).
+    pub prefilling: f64,
+    /// Holders past their first byte (decoding: about half their hold time is left).
+    pub decoding: f64,
+}
+
+/// How long a request waits for a lane: how many holders must finish first, and the prefill
+/// tokens and the decode (hold) time of theirs it waits for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueWait {
+    pub requests: f64,
+    pub tokens: f64,
+    pub hold_ms: f64,
 }
 
 impl Backlog {
@@ -616,23 +707,33 @@ impl Backlog {
         } else {
             own_uncached as f64
         };
+        let prefilling = f64::from(work.prefilling.min(work.in_flight)) + unseen;
         Backlog {
             holders: f64::from(work.in_flight) + unseen,
             pending_tokens: work.prefill_tokens as f64 + unseen * mean_prefill,
+            prefilling,
+            decoding: f64::from(work.in_flight.saturating_sub(work.prefilling)),
         }
     }
 
-    /// With `lanes` lanes: how many requests must finish before a new one gets a lane, and
-    /// the prefill tokens it waits for. If a lane is free, none; otherwise `n − p + 1` of the
-    /// `n` holders, each with its share of the pending work, spread over the `p` lanes. With
-    /// one lane this is all the work ahead (NVIDIA Dynamo's cost).
-    pub fn queue(&self, lanes: u32) -> (f64, f64) {
+    /// With `lanes` lanes and a mean lane hold of `hold_ms` after each first byte: if a lane
+    /// is free, no wait; otherwise `n − p + 1` of the `n` holders must finish first, each with
+    /// its share of the pending prefill work and of the hold time left (all of it for one
+    /// still prefilling, about half for one decoding), spread over the `p` lanes. With one lane
+    /// and no hold time this is all the prefill work ahead (NVIDIA Dynamo's cost).
+    pub fn queue(&self, lanes: u32, hold_ms: f64) -> QueueWait {
         let p = f64::from(lanes.max(1));
         if self.holders < p {
-            return (0.0, 0.0);
+            return QueueWait::default();
         }
         let ahead = self.holders - p + 1.0;
-        (ahead, ahead * (self.pending_tokens / self.holders) / p)
+        let share = ahead / (p * self.holders);
+        let hold = hold_ms.max(0.0) * (self.prefilling + 0.5 * self.decoding);
+        QueueWait {
+            requests: ahead,
+            tokens: share * self.pending_tokens,
+            hold_ms: share * hold,
+        }
     }
 }
 
@@ -735,9 +836,15 @@ pub fn predict(
         .unwrap_or(config.prefill_ms_per_token)
         .clamp(config.min_ms_per_token, config.max_ms_per_token);
     let lanes = inputs.lanes.unwrap_or(config.lanes).clamp(1, MAX_LANES);
+    let hold_ms = inputs
+        .hold_ms
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .unwrap_or(0.0)
+        .min(MAX_OBSERVED_MS);
     let backlog = Backlog::of(inputs, uncached);
-    let (queue_requests, queue_tokens) = backlog.queue(lanes);
-    let queue_ms = queue_tokens * ms_per_token;
+    let wait = backlog.queue(lanes, hold_ms);
+    let (queue_requests, queue_tokens) = (wait.requests, wait.tokens);
+    let queue_ms = queue_tokens * ms_per_token + wait.hold_ms;
     let prefill_ms = uncached as f64 * ms_per_token;
     let ttft_ms = config.overhead_ms + queue_ms + prefill_ms;
     let delay_to_others_ms = prefill_ms * queue_requests;
@@ -763,8 +870,10 @@ pub fn predict(
         uncached_tokens: uncached,
         backlog,
         lanes,
+        hold_ms,
         queue_requests,
         queue_tokens,
+        queue_hold_ms: wait.hold_ms,
         queue_ms,
         ms_per_token,
         ttft_ms,
@@ -826,6 +935,7 @@ mod tests {
             uncached_tokens: uncached,
             ms_per_token: 1.0,
             lanes: 1,
+            hold_ms: 0.0,
             elapsed_ms,
         }
     }
@@ -877,6 +987,51 @@ mod tests {
     }
 
     #[test]
+    fn lanes_held_by_decoding_requests_delay_the_next_one() {
+        let h = hashes(100, 16);
+        // Four lanes, all taken: two requests still prefilling 200 tokens each, two decoding.
+        let inputs = LatencyInputs {
+            work: EndpointWork {
+                in_flight: 4,
+                prefilling: 2,
+                prefill_tokens: 400,
+            },
+            lanes: Some(4),
+            hold_ms: Some(80.0),
+            ..LatencyInputs::default()
+        };
+        let p = at(&h, 0, CacheRoom::default(), &inputs, &config());
+        assert_eq!((p.backlog.prefilling, p.backlog.decoding), (2.0, 2.0));
+        // One of four must finish: a quarter of each holder's share. Prefill: 400 / 4 / 4;
+        // hold: 80 ms for each prefilling one, about half of it for each decoding one.
+        assert_eq!(p.queue_tokens, 400.0 / 16.0);
+        assert_eq!(p.queue_hold_ms, (80.0 * (2.0 + 0.5 * 2.0)) / 16.0);
+        assert_eq!(p.queue_ms, p.queue_tokens * 1.0 + p.queue_hold_ms);
+        // The observation of such a request does not blame the decode wait on prefill.
+        let obs = Observation::of(&p, 5.0 + p.queue_ms + 100.0);
+        assert_eq!(obs.hold_wait_ms(), p.queue_hold_ms);
+        let mut rate = PrefillRate::default();
+        rate.observe(obs, &config()).unwrap();
+        assert!((rate.busy_ms / rate.work_tokens - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_hold_time_is_learned_from_the_ends_of_streams() {
+        let c = config();
+        let mut ledger = RequestLedger::new(1);
+        assert_eq!(ledger.learned.estimate(&c).hold_ms, 0.0);
+        for _ in 0..200 {
+            ledger.sent(0, 10);
+            ledger.first_byte(0, 10, None, &c).unwrap();
+            ledger.done(0, None, Some(120.0)).unwrap();
+        }
+        assert!((ledger.learned.estimate(&c).hold_ms - 120.0).abs() < 1e-6);
+        assert!(ledger.done(0, None, Some(-1.0)).is_err());
+        assert!(ledger.done(0, None, Some(f64::INFINITY)).is_err());
+        assert!((ledger.learned.estimate(&c).hold_ms - 120.0).abs() < 1e-6);
+    }
+
+    #[test]
     fn requests_the_router_did_not_send_count_as_queue() {
         let h = hashes(100, 16);
         let inputs = LatencyInputs {
@@ -890,6 +1045,7 @@ mod tests {
         let p = at(&h, 0, CacheRoom::default(), &inputs, &config());
         // 8 on the server, 1 of them ours: 7 unseen, each like our 200-token one.
         assert_eq!(p.backlog.holders, 8.0);
+        assert_eq!((p.backlog.prefilling, p.backlog.decoding), (8.0, 0.0));
         assert_eq!(p.queue_requests, 5.0);
         assert_eq!(p.queue_tokens, 5.0 * (1600.0 / 8.0) / 4.0);
         // A scrape showing fewer than the router has in flight adds nothing.
@@ -966,6 +1122,8 @@ mod tests {
         let backlog = Backlog {
             holders: 2.0,
             pending_tokens: 600.0,
+            prefilling: 2.0,
+            decoding: 0.0,
         };
         // One lane: all 600 tokens ahead, plus its own 100.
         assert_eq!(observation(backlog, 100.0, 10.0).work_tokens(), 700.0);
@@ -1066,8 +1224,10 @@ mod tests {
                 let backlog = Backlog {
                     holders,
                     pending_tokens: pending,
+                    prefilling: holders,
+                    decoding: 0.0,
                 };
-                let wait = backlog.queue(lanes).1;
+                let wait = backlog.queue(lanes, 0.0).tokens;
                 let obs = Observation {
                     lanes: 256,
                     ..observation(backlog, 50.0, c.overhead_ms + 50.0 + wait)
@@ -1109,6 +1269,8 @@ mod tests {
         let stacked = Backlog {
             holders: 2.0,
             pending_tokens: 800.0,
+            prefilling: 2.0,
+            decoding: 0.0,
         };
         a.observe(0, observation(Backlog::default(), 500.0, 1505.0), &c)
             .unwrap();
@@ -1128,8 +1290,13 @@ mod tests {
             lanes: LaneFit {
                 excess: [f64::INFINITY; LANE_MODELS.len()],
             },
+            hold: HoldTime {
+                ms: f64::NAN,
+                count: 1.0,
+            },
         };
         pooled.add(&corrupt);
+        assert_eq!(pooled.hold, HoldTime::default());
         assert_eq!(pooled.rates[0], a.rates[0]);
         assert_eq!(pooled.lanes, b.lanes);
     }
@@ -1159,10 +1326,10 @@ mod tests {
         assert_eq!(ledger.work[1].prefill_tokens, 40);
         assert_eq!(ledger.learned.rates[1].work_tokens, 300.0);
         // A reset before its first byte releases both; strays and repeats saturate.
-        ledger.done(1, Some(40));
-        ledger.done(1, None);
-        ledger.done(1, Some(999));
-        ledger.done(7, None);
+        ledger.done(1, Some(40), None).unwrap();
+        ledger.done(1, None, None).unwrap();
+        ledger.done(1, Some(999), None).unwrap();
+        ledger.done(7, None, None).unwrap();
         assert_eq!(ledger.work[1], EndpointWork::default());
         assert!(ledger
             .first_byte(0, 1, Some(observation(Backlog::default(), 1.0, 0.0)), &c)

@@ -149,8 +149,9 @@ enum Signal {
         uncached_tokens: u64,
         observation: Observation,
     },
-    /// The response ended: the request no longer holds a lane.
-    Done { endpoint: usize },
+    /// The response ended: the request no longer holds a lane; it held it `hold_ms` after its
+    /// first byte.
+    Done { endpoint: usize, hold_ms: f64 },
 }
 
 /// A signal due at `at_ms`; `seq` keeps equal times in the order they were scheduled.
@@ -285,7 +286,11 @@ impl Simulation {
                         self.refused_observations += 1;
                     }
                 }
-                Signal::Done { endpoint } => self.ledger.done(endpoint, None),
+                Signal::Done { endpoint, hold_ms } => {
+                    if self.ledger.done(endpoint, None, Some(hold_ms)).is_err() {
+                        self.refused_observations += 1;
+                    }
+                }
             }
         }
     }
@@ -293,7 +298,7 @@ impl Simulation {
     /// What the router knows of every replica at `now_ms`: a fresh scrape plus its ledger.
     fn loads(&self, now_ms: f64) -> Vec<EndpointLoad> {
         let latency = self.router.config().latency;
-        let (rates, lanes) = self.ledger.learned.estimate(&latency);
+        let learned = self.ledger.learned.estimate(&latency);
         (0..self.replicas.len())
             .map(|e| {
                 let r = &self.replicas[e];
@@ -301,8 +306,9 @@ impl Simulation {
                 let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
                 load.latency.work = self.ledger.work[e];
                 load.latency.server = Some(ServerQueue { waiting, running });
-                load.latency.ms_per_token = Some(rates[e]);
-                load.latency.lanes = Some(lanes);
+                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
+                load.latency.lanes = Some(learned.lanes);
+                load.latency.hold_ms = Some(learned.hold_ms);
                 load
             })
             .collect()
@@ -348,9 +354,14 @@ impl Simulation {
                 observation: Observation::of(&predicted, served.ttft_ms),
             },
         );
+        let first_byte_ms = now_ms + served.ttft_ms;
+        let end_ms = served.finish_ms.max(first_byte_ms);
         self.schedule(
-            served.finish_ms.max(now_ms + served.ttft_ms),
-            Signal::Done { endpoint },
+            end_ms,
+            Signal::Done {
+                endpoint,
+                hold_ms: end_ms - first_byte_ms,
+            },
         );
         self.steps.push(Step {
             index,

@@ -6,7 +6,9 @@
 //! `None`, and callers treat it as absent (and overwrite it), instead of misreading it.
 //! Decoding never panics: truncated or corrupt bytes are `None` too.
 
-use prefixroute_core::latency::{EndpointWork, GroupGrowth, LaneFit, PrefillRate, LANE_MODELS};
+use prefixroute_core::latency::{
+    EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, LANE_MODELS,
+};
 use prefixroute_core::metrics::EngineMetrics;
 
 /// Layout version of every value below.
@@ -304,15 +306,16 @@ impl EndpointLedger {
 /// lane fit, group growth). Only that instance writes it, so it needs no CAS; readers add up
 /// every live instance's record.
 ///
-/// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | growth 3 × f64 |
-/// n u16 | n × (endpoint u64, in_flight u32, prefilling u32, prefill_tokens u64, busy_ms f64,
-/// work_tokens f64)`: 107 + 40 n bytes.
+/// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
+/// growth 3 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
+/// prefill_tokens u64, busy_ms f64, work_tokens f64)`: 123 + 40 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
     pub nonce: u64,
     pub heartbeat_ms: u64,
     pub lanes: LaneFit,
+    pub hold: HoldTime,
     pub growth: GroupGrowth,
     pub endpoints: Vec<EndpointLedger>,
 }
@@ -327,6 +330,8 @@ impl InstanceRecord {
         for e in self.lanes.excess {
             w.f64(e);
         }
+        w.f64(self.hold.ms);
+        w.f64(self.hold.count);
         w.f64(self.growth.requests);
         w.f64(self.growth.continuations);
         w.f64(self.growth.added_blocks);
@@ -352,6 +357,10 @@ impl InstanceRecord {
             *e = r.f64()?;
         }
         debug_assert_eq!(lanes.excess.len(), LANE_MODELS.len());
+        let hold = HoldTime {
+            ms: r.f64()?,
+            count: r.f64()?,
+        };
         let growth = GroupGrowth {
             requests: r.f64()?,
             continuations: r.f64()?,
@@ -380,6 +389,7 @@ impl InstanceRecord {
             nonce,
             heartbeat_ms,
             lanes,
+            hold,
             growth,
             endpoints,
         })
@@ -513,7 +523,7 @@ mod tests {
         assert_eq!(InstanceRecord::decode(&[LAYOUT, 1, 2]), None);
         // A huge declared count with no data behind it is rejected, not allocated.
         let mut lie = vec![LAYOUT];
-        lie.extend_from_slice(&[0; 16 + 11 * 8]);
+        lie.extend_from_slice(&[0; 16 + 13 * 8]);
         lie.extend_from_slice(&u16::MAX.to_le_bytes());
         assert_eq!(InstanceRecord::decode(&lie), None);
         let mut lie = vec![LAYOUT];
@@ -572,6 +582,10 @@ mod tests {
             nonce: 9,
             heartbeat_ms: 123,
             lanes,
+            hold: HoldTime {
+                ms: 40.0,
+                count: 2.0,
+            },
             growth: GroupGrowth {
                 requests: 10.0,
                 continuations: 7.5,
@@ -600,7 +614,7 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 107 + 2 * 40);
+        assert_eq!(rec.encode().len(), 123 + 2 * 40);
         assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
         let reg = Registry {
             next_nonce: 5,

@@ -46,8 +46,10 @@ pub struct Ticket {
     /// which teach the rate estimator nothing.
     pub prediction: Option<Prediction>,
     pub sent_ms: u64,
-    /// The first response byte came (prefill work released).
-    pub first_byte: bool,
+    /// When the first response byte came (prefill work released), if it did.
+    pub first_byte_ms: Option<u64>,
+    /// That first byte was a 2xx answer: the stream's end will say how long it decoded.
+    pub answered: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -192,7 +194,8 @@ impl<H: SharedData> Engine<H> {
                 uncached_tokens: uncached,
                 prediction: Some(prediction),
                 sent_ms: now_ms,
-                first_byte: false,
+                first_byte_ms: None,
+                answered: false,
             },
         }
     }
@@ -202,7 +205,7 @@ impl<H: SharedData> Engine<H> {
     /// its reported capacity; the fleet's learned lanes and group growth.
     fn loads(&mut self, now_ms: u64) -> Vec<EndpointLoad> {
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
-        let (rates, lanes) = pooled.learned.estimate(&self.config.latency);
+        let learned = pooled.learned.estimate(&self.config.latency);
         self.router.set_growth(pooled.growth);
         let stale_after = self.config.scrape.stale_after_ms;
         (0..self.endpoints())
@@ -216,8 +219,9 @@ impl<H: SharedData> Engine<H> {
                 self.router.set_capacity(e, capacity);
                 let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
                 let mut load = estimate_load(metrics, pooled.work[e], state.down);
-                load.latency.ms_per_token = Some(rates[e]);
-                load.latency.lanes = Some(lanes);
+                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
+                load.latency.lanes = Some(learned.lanes);
+                load.latency.hold_ms = Some(learned.hold_ms);
                 load
             })
             .collect()
@@ -276,7 +280,8 @@ impl<H: SharedData> Engine<H> {
                 uncached_tokens: 0,
                 prediction: None,
                 sent_ms: now_ms,
-                first_byte: false,
+                first_byte_ms: None,
+                answered: false,
             },
         }
     }
@@ -295,10 +300,11 @@ impl<H: SharedData> Engine<H> {
     /// done. A 2xx answer to a request routed with a prediction also teaches the endpoint's
     /// prefill model how long that took; anything else (a local reply, an error) does not.
     pub fn first_byte(&mut self, ticket: &mut Ticket, success: bool, now_ms: u64) {
-        if ticket.first_byte {
+        if ticket.first_byte_ms.is_some() {
             return;
         }
-        ticket.first_byte = true;
+        ticket.first_byte_ms = Some(now_ms);
+        ticket.answered = success && ticket.prediction.is_some();
         let elapsed = now_ms.saturating_sub(ticket.sent_ms) as f64;
         let observation = ticket
             .prediction
@@ -317,11 +323,24 @@ impl<H: SharedData> Engine<H> {
     }
 
     /// A steered request finished (or was reset): it no longer holds a lane, and its prefill
-    /// work goes with it if its first byte never came.
+    /// work goes with it if its first byte never came. A request answered 2xx tells how long
+    /// it held its lane after its first byte (about nothing for a non-streaming answer).
     pub fn release(&mut self, ticket: &Ticket, now_ms: u64) {
-        let pending = (!ticket.first_byte).then_some(ticket.uncached_tokens);
-        self.ledger
-            .release(self.router.store().host(), ticket.endpoint, pending, now_ms);
+        let pending = match ticket.first_byte_ms {
+            None => Some(ticket.uncached_tokens),
+            Some(_) => None,
+        };
+        let hold = ticket
+            .first_byte_ms
+            .filter(|_| ticket.answered)
+            .map(|at| now_ms.saturating_sub(at) as f64);
+        self.ledger.release(
+            self.router.store().host(),
+            ticket.endpoint,
+            pending,
+            hold,
+            now_ms,
+        );
         self.drain_ledger_stats();
     }
 
@@ -356,7 +375,7 @@ impl<H: SharedData> Engine<H> {
         self.pending
             .retain(|_, p| now_ms.saturating_sub(p.sent_ms) <= expiry);
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
-        let (rates, _) = pooled.learned.estimate(&self.config.latency);
+        let rates = pooled.learned.estimate(&self.config.latency).ms_per_token;
         let mut due = Vec::new();
         for (e, work) in pooled.work.iter().enumerate() {
             let key = &self.keys[e];
@@ -738,12 +757,13 @@ mod tests {
 
         fn route(&mut self, body: &[u8], metrics: &[EngineMetrics]) -> (usize, Prediction) {
             let hashes = hash_request(&parse_request(body).unwrap(), self.cfg.router_config().hash);
-            let (rates, lanes) = self.ledger.learned.estimate(&self.cfg.latency);
+            let learned = self.ledger.learned.estimate(&self.cfg.latency);
             let loads: Vec<EndpointLoad> = (0..metrics.len())
                 .map(|e| {
                     let mut load = estimate_load(Some(&metrics[e]), self.ledger.work[e], false);
-                    load.latency.ms_per_token = Some(rates[e]);
-                    load.latency.lanes = Some(lanes);
+                    load.latency.ms_per_token = Some(learned.ms_per_token[e]);
+                    load.latency.lanes = Some(learned.lanes);
+                    load.latency.hold_ms = Some(learned.hold_ms);
                     load
                 })
                 .collect();
@@ -829,9 +849,11 @@ mod tests {
                 );
                 open.push((got.ticket, now + elapsed));
                 if i % 3 == 2 {
-                    let (ticket, _) = open.remove(0);
-                    core.ledger.done(ticket.endpoint, None);
-                    engine.release(&ticket, now + 20);
+                    let (ticket, first_byte) = open.remove(0);
+                    let end = (now + 20).max(first_byte);
+                    let hold = ticket.answered.then(|| (end - first_byte) as f64);
+                    core.ledger.done(ticket.endpoint, None, hold).unwrap();
+                    engine.release(&ticket, end);
                 }
             }
             let learned = core

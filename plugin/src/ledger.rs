@@ -154,17 +154,21 @@ impl Ledger {
 
     /// A steered request finished (completed, reset or destroyed). `prefill_pending`: its
     /// first byte never came, so its prefill work is released now, with its in-flight count.
+    /// `hold_ms`: how long an answered request held its lane after its first byte.
     pub fn release(
         &mut self,
         host: &impl SharedData,
         endpoint: usize,
         prefill_pending: Option<u64>,
+        hold_ms: Option<f64>,
         now_ms: u64,
     ) {
         if endpoint >= self.ids.len() {
             return;
         }
-        self.own.done(endpoint, prefill_pending);
+        if self.own.done(endpoint, prefill_pending, hold_ms).is_err() {
+            self.stats.refused_observations += 1;
+        }
         self.publish(host, now_ms);
     }
 
@@ -197,6 +201,7 @@ impl Ledger {
             }
             let mut theirs = LearnedModel::new(n);
             theirs.lanes = record.lanes;
+            theirs.hold = record.hold;
             for ledger in &record.endpoints {
                 if let Ok(pos) = self
                     .by_id
@@ -317,6 +322,7 @@ impl Ledger {
             nonce: me.nonce,
             heartbeat_ms: now_ms,
             lanes: self.own.learned.lanes,
+            hold: self.own.learned.hold,
             growth: self.growth,
             endpoints: (0..self.ids.len())
                 .map(|e| EndpointLedger {
@@ -359,6 +365,7 @@ mod tests {
             uncached_tokens: 500.0,
             ms_per_token: 1.0,
             lanes: 1,
+            hold_ms: 0.0,
             elapsed_ms,
         }
     }
@@ -397,12 +404,13 @@ mod tests {
         let w = b.totals(&host, 120).work[0];
         assert_eq!((w.in_flight, w.prefilling, w.prefill_tokens), (2, 1, 50));
         // The stream ends; a request whose first byte never came releases its work with it.
-        a.release(&host, 0, None, 150);
-        a.release(&host, 0, Some(50), 150);
+        a.release(&host, 0, None, Some(30.0), 150);
+        a.release(&host, 0, Some(50), None, 150);
         assert_eq!(b.totals(&host, 150).work[0], EndpointWork::default());
+        assert_eq!(b.totals(&host, 150).learned.hold.mean_ms(), 30.0);
         // Releasing more than acquired never underflows.
-        b.release(&host, 2, Some(700), 150);
-        b.release(&host, 2, Some(700), 150);
+        b.release(&host, 2, Some(700), None, 150);
+        b.release(&host, 2, Some(700), None, 150);
         assert_eq!(a.totals(&host, 150).work[2], EndpointWork::default());
     }
 
@@ -415,7 +423,7 @@ mod tests {
         b.acquire(&host, 1, 0, 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
         a.observe_growth(true, 6);
-        a.release(&host, 1, None, 20);
+        a.release(&host, 1, None, None, 20);
         b.tick(&host, 30);
         let pooled = b.totals(&host, 30);
         assert_eq!(pooled.learned.rates[1].busy_ms, 1000.0);

@@ -56,6 +56,18 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Writes a command's output to stdout. A closed pipe (`| head`) is the reader's choice, not
+/// an error (and not a panic, which `println!` would make of it).
+pub(crate) fn write_stdout(text: &str) -> Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("cannot write to stdout"),
+    }
+}
+
 /// Reads a trace file with the file name in every error.
 pub(crate) fn read_trace(
     path: &std::path::Path,

@@ -86,6 +86,7 @@ pub fn run(args: Args) -> Result<()> {
     base.router.seed = args.seed;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
     let mut reports = Vec::new();
+    let mut out = String::new();
     for policy in policies {
         let mut config = base;
         config.router.policy = policy;
@@ -97,23 +98,24 @@ pub fn run(args: Args) -> Result<()> {
                     "  [{} of {} tokens cached, ttft {:.0} ms]",
                     step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
                 );
-                println!("{}{}", step.summary(&names), outcome);
+                out += &format!("{}{}\n", step.summary(&names), outcome);
                 for line in step.decision.endpoint_lines(&names) {
-                    println!("    {line}");
+                    out += &format!("    {line}\n");
                 }
             }
-            println!();
+            out.push('\n');
         }
         reports.push(sim.report());
     }
     let bound = upper_bound(&trace, base)?;
     if args.json {
-        let out = serde_json::json!({"policies": reports, "upper_bound": bound});
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        let json = serde_json::json!({"policies": reports, "upper_bound": bound});
+        out += &serde_json::to_string_pretty(&json)?;
+        out.push('\n');
     } else {
-        print!("{}", render_table(&reports, Some(&bound)));
+        out += &render_table(&reports, Some(&bound));
     }
-    Ok(())
+    super::write_stdout(&out)
 }
 
 /// The simulate table; with `bound`, a last row for the upper bound and each policy's hit

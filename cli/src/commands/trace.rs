@@ -65,12 +65,7 @@ pub fn run(args: Args) -> Result<()> {
     let records = spec.generate()?;
     let text = to_jsonl(&records);
     if args.output.as_os_str() == "-" {
-        use std::io::Write;
-        // A closed pipe (`| head`) is the reader's choice, not an error.
-        match std::io::stdout().write_all(text.as_bytes()) {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-            other => other.context("cannot write to stdout")?,
-        }
+        super::write_stdout(&text)?;
     } else {
         std::fs::write(&args.output, text)
             .with_context(|| format!("cannot write {}", args.output.display()))?;

@@ -204,6 +204,8 @@ struct Open {
     endpoint: usize,
     sent: u64,
     first_byte: Option<u64>,
+    /// When the first byte was answered 2xx (the end then teaches the hold time).
+    answered_at: Option<u64>,
     end: u64,
     status: u16,
     prediction: Prediction,
@@ -289,6 +291,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                         );
                     }
                     let success = o.status == 200;
+                    o.answered_at = success.then_some(at);
                     let elapsed = (at - o.sent) as f64;
                     let observation = success.then(|| Observation::of(&o.prediction, elapsed));
                     let uncached = o.prediction.uncached_tokens as u64;
@@ -307,7 +310,8 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                     // A stream that ended without any answer takes its prefill work with it.
                     let answered = o.end != o.sent;
                     let pending = (!answered).then_some(o.prediction.uncached_tokens as u64);
-                    ledger.done(o.endpoint, pending);
+                    let hold = o.answered_at.map(|t| (at - t) as f64);
+                    ledger.done(o.endpoint, pending, hold).unwrap();
                 }
             }
         }
@@ -321,12 +325,13 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                 mirror.capacity_blocks(e, block_size, cfg.index_capacity_blocks),
             );
         }
-        let (rates, lanes) = ledger.learned.estimate(&cfg.latency);
+        let learned = ledger.learned.estimate(&cfg.latency);
         let loads: Vec<EndpointLoad> = (0..N)
             .map(|e| {
                 let mut load = mirror.load(e, now, cfg.scrape.stale_after_ms, &ledger);
-                load.latency.ms_per_token = Some(rates[e]);
-                load.latency.lanes = Some(lanes);
+                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
+                load.latency.lanes = Some(learned.lanes);
+                load.latency.hold_ms = Some(learned.hold_ms);
                 load
             })
             .collect();
@@ -370,6 +375,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                 endpoint: got,
                 sent: now,
                 first_byte: (!leaves).then_some(now + ttft),
+                answered_at: None,
                 // A client that leaves ends at once; `end == sent` marks it for the ledger.
                 end: if leaves {
                     now
