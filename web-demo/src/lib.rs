@@ -52,6 +52,7 @@ pub fn defaults() -> Value {
         TraceShape::Tenants,
         TraceShape::Conversations,
         TraceShape::Rag,
+        TraceShape::Unique,
     ]
     .iter()
     .map(|s| serde_json::to_value(s).unwrap_or(Value::Null))
@@ -60,6 +61,16 @@ pub fn defaults() -> Value {
         "trace": TraceSpec::default(),
         "sim": SimConfig::default(),
         "policies": Policy::ALL.iter().map(|p| p.name()).collect::<Vec<_>>(),
+        // What each policy's score is made of, so the page never keeps its own copy.
+        "policy_scorers": Policy::ALL
+            .iter()
+            .map(|p| (p.name().to_string(), json!(p.scorers())))
+            .collect::<serde_json::Map<_, _>>(),
+        "predicting": Policy::ALL
+            .iter()
+            .filter(|p| p.predicts())
+            .map(|p| p.name())
+            .collect::<Vec<_>>(),
         "shapes": shapes,
         "limits": {
             "requests": MAX_REQUESTS,
@@ -597,8 +608,17 @@ mod tests {
     fn defaults_name_every_policy_and_shape() {
         let d = defaults();
         assert_eq!(d["policies"].as_array().unwrap().len(), Policy::ALL.len());
+        assert_eq!(d["policies"][0], "latency", "the default first");
+        assert_eq!(d["sim"]["router"]["policy"], "latency");
         assert_eq!(d["shapes"][2], "rag");
+        assert_eq!(d["shapes"][3], "unique");
         assert_eq!(d["sim"]["router"]["weights"]["prefix"], 3.0);
+        assert_eq!(
+            d["policy_scorers"]["prefix"],
+            json!(["prefix", "queue", "kv_cache", "no_hit_lru"])
+        );
+        assert_eq!(d["policy_scorers"]["round-robin"], json!([]));
+        assert_eq!(d["predicting"], json!(["latency"]));
     }
 
     #[test]
@@ -623,7 +643,7 @@ mod tests {
         let report: prefixroute_core::sim::SimReport = serde_json::from_value(d.report()).unwrap();
         assert_eq!(
             report,
-            simulate(d.trace(), SimConfig::default()).unwrap(),
+            simulate(d.trace(), *d.config()).unwrap(),
             "stepping in the demo is core's simulation"
         );
     }
@@ -657,8 +677,10 @@ mod tests {
 
     #[test]
     fn a_small_cache_makes_the_belief_stale() {
+        // Replicas that do not report their capacity: the router believes 31,250 blocks each.
         let sim = SimConfig {
             cache_blocks: 20,
+            capacity_reported: false,
             ..SimConfig::default()
         };
         let mut d = Demo::new(Settings {
@@ -679,6 +701,24 @@ mod tests {
             stale > 0,
             "a 20-block cache evicts what the router still believes"
         );
+        // Bounded by the reported capacity, the belief goes stale far less.
+        let reported = SimConfig {
+            capacity_reported: true,
+            ..sim
+        };
+        let mut d = Demo::new(Settings {
+            trace: TraceSpec::default(),
+            sim: reported,
+        })
+        .unwrap();
+        let mut bounded = 0;
+        while let Some(view) = d.step() {
+            let endpoint = view["step"]["decision"]["endpoint"].as_u64().unwrap() as usize;
+            bounded += view["request"]["chains"][0]["stale_blocks"][endpoint]
+                .as_u64()
+                .unwrap();
+        }
+        assert!(bounded * 2 < stale, "{bounded} vs {stale}");
         // With room for everything, belief and cache agree.
         let roomy = SimConfig {
             cache_blocks: 1024,

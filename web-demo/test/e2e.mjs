@@ -99,7 +99,8 @@ describe('web demo', { concurrency: false }, () => {
     await page.goto(baseUrl);
     await page.waitForSelector('body[data-ready="true"]', { timeout: 20000 });
     const policies = await page.$$eval('#policy option', (els) => els.map((el) => el.value));
-    assert.deepEqual(policies, ['prefix', 'prefix-only', 'least-queue', 'round-robin', 'random']);
+    assert.deepEqual(policies, ['latency', 'prefix', 'prefix-only', 'least-queue', 'round-robin', 'random']);
+    assert.equal(await page.inputValue('#policy'), 'latency', "core's default policy");
     assert.equal(await page.inputValue('#replicas'), '3');
     assert.equal(await page.inputValue('#seed'), '42');
     assert.equal(await progress(), '0 / 64');
@@ -111,7 +112,7 @@ describe('web demo', { concurrency: false }, () => {
     assert.deepEqual(unlabelled, []);
   });
 
-  test('stepping shows a decision with every score per replica', async () => {
+  test('stepping shows a decision with every replica\'s prediction', async () => {
     await page.click('#step');
     await page.waitForSelector('[data-testid="winner"]');
     assert.equal(await progress(), '1 / 64');
@@ -119,20 +120,20 @@ describe('web demo', { concurrency: false }, () => {
     assert.match(winner, /^replica-[0-2]$/);
     assert.equal(await page.textContent('[data-testid="outcome"]'), 'MISS', 'the first request is cold');
     const rows = await page.$$eval('#scores tbody tr', (trs) => trs.map((tr) => ({
-      scores: Object.fromEntries([...tr.querySelectorAll('[data-scorer]')].map((td) => [td.dataset.scorer, Number(td.textContent)])),
-      total: Number(tr.querySelector('[data-total]').dataset.total),
+      columns: [...tr.querySelectorAll('[data-prediction]')].map((td) => td.dataset.prediction),
+      cost: Number(tr.querySelector('[data-total]').dataset.total),
       winner: tr.classList.contains('winner'),
     })));
     assert.equal(rows.length, 3);
     for (const row of rows) {
-      assert.deepEqual(Object.keys(row.scores), ['prefix', 'queue', 'kv_cache', 'no_hit_lru']);
-      for (const v of Object.values(row.scores)) assert.ok(v >= 0 && v <= 1, `score ${v} in 0..1`);
-      assert.ok(Number.isFinite(row.total));
+      assert.deepEqual(row.columns, ['uncached_tokens', 'queue_ms', 'ttft_ms', 'delay_to_others_ms', 'room_ms']);
+      assert.ok(Number.isFinite(row.cost) && row.cost > 0);
     }
-    assert.equal(rows.filter((r) => r.winner).length, 1);
+    const win = rows.find((r) => r.winner);
+    assert.ok(rows.every((r) => r.cost >= win.cost * 0.98 - 1), 'the lowest predicted cost wins (up to its 2% resolution)');
     const why = await page.textContent('#verdict .why');
-    assert.match(why, /Cold request/);
-    assert.match(await page.textContent('#verdict .core-line'), /^#0 tenant-\d+: prefix -> replica-\d/);
+    assert.match(why, /is believed to hold 0 of \d+ blocks; its predicted TTFT is/);
+    assert.match(await page.textContent('#verdict .core-line'), /^#0 tenant-\d+: latency -> replica-\d: match 0\/\d+ blocks, \d+ uncached tokens, queue \d+ ms, TTFT \d+ ms/);
 
     // Step on until a request hits the cache; its explanation names the matched blocks.
     let hit = false;
@@ -201,7 +202,15 @@ describe('web demo', { concurrency: false }, () => {
     // Back to the defaults for the rest.
     await page.click('#defaults');
     await page.waitForFunction(() => document.querySelectorAll('#replica-cards .replica').length === 3);
-    assert.equal(await page.inputValue('#policy'), 'prefix');
+    assert.equal(await page.inputValue('#policy'), 'latency');
+    // A scoring policy shows its scorers instead, the ones it uses marked.
+    await page.selectOption('#policy', 'prefix');
+    await page.click('#step');
+    const scored = await page.$$eval('#scores tbody tr:first-child [data-scorer]', (tds) => tds.map((td) => td.dataset.scorer));
+    assert.deepEqual(scored, ['prefix', 'queue', 'kv_cache', 'no_hit_lru']);
+    assert.match(await page.textContent('#verdict .why'), /Cold request/);
+    await page.click('#defaults');
+    await page.waitForFunction(() => document.querySelector('#policy').value === 'latency');
     // An invalid value is refused with a message, not sent to core.
     await setField('tenants', 0);
     await page.waitForSelector('#error:not([hidden])');
@@ -210,7 +219,8 @@ describe('web demo', { concurrency: false }, () => {
     await page.waitForSelector('#error[hidden]', { state: 'attached' });
   });
 
-  test('a hot tenant saturates its replica, which the router sets aside', async () => {
+  test('a hot tenant saturates its replica, which the prefix policy sets aside', async () => {
+    await page.selectOption('#policy', 'prefix');
     await setField('hot', 0.7);
     await setField('rate', 40);
     await setField('slots', 2);
@@ -228,21 +238,23 @@ describe('web demo', { concurrency: false }, () => {
     await page.waitForFunction(() => document.querySelector('#progress').textContent === '0 / 64');
   });
 
-  test('runs to the end; prefix beats round robin on the same trace', async () => {
+  test('runs to the end; latency and prefix beat round robin on the same trace', async () => {
     await page.selectOption('#speed', 'max');
     await page.click('#run');
     await page.waitForFunction(() => document.querySelector('#progress').textContent === '64 / 64', null, { timeout: 30000 });
     await page.waitForSelector('#pause:disabled');
     assert.ok(await page.isDisabled('#step'));
     const hit = async (policy) => Number(await page.getAttribute(`#compare tr[data-policy="${policy}"] [data-metric="hit_rate"]`, 'data-value'));
+    const latency = await hit('latency');
     const prefix = await hit('prefix');
     const rr = await hit('round-robin');
-    console.log(`hit rate: prefix ${(prefix * 100).toFixed(1)}%, round-robin ${(rr * 100).toFixed(1)}%`);
+    console.log(`hit rate: latency ${(latency * 100).toFixed(1)}%, prefix ${(prefix * 100).toFixed(1)}%, round-robin ${(rr * 100).toFixed(1)}%`);
+    assert.ok(latency > rr, `latency ${latency} > round-robin ${rr}`);
     assert.ok(prefix > rr, `prefix ${prefix} > round-robin ${rr}`);
-    assert.equal(await page.locator('#compare tbody tr').count(), 5);
-    // The live curve ends where core's simulate says the prefix run ends.
+    assert.equal(await page.locator('#compare tbody tr').count(), 6);
+    // The live curve ends where core's simulate says the selected (latency) run ends.
     const live = await page.textContent('#live-hit');
-    assert.equal(live, `${(prefix * 100).toFixed(1)}%`);
+    assert.equal(live, `${(latency * 100).toFixed(1)}%`);
     const points = await page.getAttribute('#chart polyline.live', 'points');
     assert.equal(points.trim().split(/\s+/).length, 64);
   });

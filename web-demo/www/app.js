@@ -55,6 +55,7 @@ function groupColor(g) {
   return `hsl(${Math.round((g * 137.508) % 360)} 55% 52%)`;
 }
 const POLICY_COLORS = {
+  latency: '#16a34a',
   prefix: '#4f46e5',
   'prefix-only': '#0d9488',
   'least-queue': '#d97706',
@@ -67,14 +68,19 @@ const SCORERS = [
   { key: 'kv_cache', weight: 'kv_cache', label: 'kv-cache', color: '#d97706', title: 'kv-cache-utilization: 1 − KV-cache usage' },
   { key: 'no_hit_lru', weight: 'no_hit_lru', label: 'no-hit-lru', color: '#94a3b8', title: 'no-hit-lru: 0.5 for all when any replica matches; otherwise favours the replica that least recently took a cold request' },
 ];
-/** Which scorers a policy's total uses (the others are computed but ignored). */
-const USED = {
-  prefix: ['prefix', 'queue', 'kv_cache', 'no_hit_lru'],
-  'prefix-only': ['prefix'],
-  'least-queue': ['queue'],
-  'round-robin': [],
-  random: [],
-};
+/** Which scorers a policy's total uses (the others are computed but ignored): core's own
+ *  `Policy::scorers`, read from its defaults at start-up. */
+const USED = {};
+/** Policies that pick by a predicted cost (core's `Policy::predicts`). */
+const PREDICTING = new Set();
+/** The columns of a predicting policy: fields of core's `Prediction`. */
+const PREDICTION_COLUMNS = [
+  { key: 'uncached_tokens', label: 'uncached', unit: 'tokens', title: "the prompt tokens this replica would have to prefill (what it is believed not to hold, by the server's rules)" },
+  { key: 'queue_ms', label: 'queue', unit: 'ms', title: 'predicted wait for a lane: the prefill work ahead of this request, spread over the learned lanes' },
+  { key: 'ttft_ms', label: 'TTFT', unit: 'ms', title: 'predicted time to first token: overhead + queue + uncached × learned ms per token' },
+  { key: 'delay_to_others_ms', label: 'delay to others', unit: 'ms', title: 'where requests queue, this prefill also delays those that arrive after it' },
+  { key: 'room_ms', label: 'room', unit: 'ms', title: "the prefill the blocks this request brings will cost later: they take room in the replica's cache in proportion to its occupancy" },
+];
 
 // ---------------------------------------------------------------------------------------------
 // State
@@ -362,6 +368,60 @@ function matchCell(request, replica) {
   return cell;
 }
 
+function predictionHead() {
+  const row = h('tr', {}, h('th', { scope: 'col' }, 'Replica'), h('th', { scope: 'col' }, 'Prefix match'));
+  for (const c of PREDICTION_COLUMNS) {
+    row.append(h('th', { scope: 'col', class: 'num', title: c.title }, c.label, h('small', { class: 'weight' }, c.unit)));
+  }
+  row.append(h('th', { scope: 'col', class: 'total-col' }, 'Predicted cost', h('small', { class: 'weight' }, 'ms, lowest wins')));
+  return row;
+}
+
+/** The latency policy's table: core's Prediction per replica. */
+function renderPredictions(request, decision) {
+  const table = $('#scores');
+  table.tHead.replaceChildren(predictionHead());
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  const costs = decision ? decision.scores.filter((x) => !x.excluded).map((x) => x.prediction.cost_ms) : [];
+  const worst = Math.max(1, ...costs);
+  app.info.replicas.forEach((name, i) => {
+    const sc = decision?.scores[i];
+    const p = sc?.prediction;
+    const row = h('tr', { dataset: { replica: String(i) } });
+    const flags = h('div', { class: 'flags' });
+    row.append(h('th', { scope: 'row' }, name, flags), h('td', {}, matchCell(request, i)));
+    for (const c of PREDICTION_COLUMNS) {
+      const value = p ? p[c.key] : null;
+      const extra = p && c.key === 'queue_ms' ? ` (${num(p.queue_requests, 1)} requests ahead, ${p.lanes} lanes)` :
+        p && c.key === 'ttft_ms' ? ` (at ${num(p.ms_per_token, 3)} ms/token)` :
+        p && c.key === 'room_ms' ? ` (${num(p.room_blocks, 1)} blocks at ${pct(sc.room.believed_blocks / Math.max(1, sc.room.capacity_blocks))} occupancy)` : '';
+      row.append(h('td', { class: 'num', dataset: { prediction: c.key }, title: p ? `${c.label} ${num(value, 1)}${extra}` : '' },
+        p ? (c.unit === 'ms' ? ms(value) : String(value)) : '–'));
+    }
+    const totalCell = h('td', { class: 'total-col', dataset: { total: p ? String(p.cost_ms) : '' } });
+    if (p) {
+      const bar = h('div', { class: 'stack', 'aria-hidden': 'true' });
+      for (const [part, color] of [[p.ttft_ms, '#16a34a'], [p.delay_to_others_ms, '#d97706'], [p.room_ms, '#94a3b8']]) {
+        if (part > 0) bar.append(h('i', { style: `width:${(100 * part) / worst}%;--c:${color}` }));
+      }
+      totalCell.append(h('span', { class: 'total-num' }, ms(p.cost_ms)), bar);
+    } else {
+      totalCell.append('–');
+    }
+    row.append(totalCell);
+    if (decision) {
+      if (i === decision.endpoint) flags.append(h('span', { class: 'chip win' }, 'winner'));
+      if (i === decision.runner_up) flags.append(h('span', { class: 'chip' }, 'runner-up'));
+      if (sc.continues) flags.append(h('span', { class: 'chip' }, 'continues'));
+      if (sc.excluded) flags.append(h('span', { class: 'chip bad' }, 'excluded'));
+      row.classList.toggle('winner', i === decision.endpoint);
+      row.classList.toggle('excluded', sc.excluded);
+    }
+    body.append(row);
+  });
+}
+
 function scoresHead(policy, weights, decided) {
   const used = USED[policy];
   const row = h('tr', {}, h('th', { scope: 'col' }, 'Replica'), h('th', { scope: 'col' }, 'Prefix match'));
@@ -377,6 +437,10 @@ function scoresHead(policy, weights, decided) {
 }
 
 function renderScores(request, decision) {
+  if (PREDICTING.has(app.info.config.router.policy)) {
+    renderPredictions(request, decision);
+    return;
+  }
   const table = $('#scores');
   const cfg = app.info.config;
   const policy = cfg.router.policy;
@@ -476,6 +540,18 @@ function explain(view) {
     why.push(`No replica had room (every one is saturated: ${limits}), so the saturation filter set none aside.`);
   }
   switch (d.policy) {
+    case 'latency': {
+      const p = sc[win].prediction;
+      const parts = [`${ms(cfg.router.latency.overhead_ms)} overhead`];
+      if (p.queue_ms > 0) parts.push(`${ms(p.queue_ms)} waiting for one of ${p.lanes} lanes (${num(p.queue_requests, 1)} requests ahead)`);
+      parts.push(`${p.uncached_tokens} uncached tokens × ${num(p.ms_per_token, 3)} ms`);
+      why.push(`${names[win]} is believed to hold ${matched} of ${d.total_blocks} blocks; its predicted TTFT is ${ms(p.ttft_ms)} = ${parts.join(' + ')}.`);
+      if (p.delay_to_others_ms > 0) why.push(`Its queue also makes this prefill delay later requests by about ${ms(p.delay_to_others_ms)}.`);
+      if (p.room_ms > 0) {
+        why.push(`The ${num(p.room_blocks, 1)} blocks it brings (${sc[win].continues ? 'its own new blocks: it continues an earlier request there' : 'new blocks and the growth expected of a group that starts here'}) take room in a cache that is ${pct(sc[win].room.believed_blocks / Math.max(1, sc[win].room.capacity_blocks))} full: ${ms(p.room_ms)} of later prefill.`);
+      }
+      break;
+    }
     case 'round-robin':
       why.push('Round-robin takes the next replica in rotation. The scores are computed for reference and ignored.');
       break;
@@ -499,7 +575,21 @@ function explain(view) {
       }
     }
   }
-  if (d.runner_up !== null && d.runner_up !== undefined && USED[d.policy].length) {
+  if (d.policy === 'latency' && d.runner_up !== null && d.runner_up !== undefined) {
+    const r = d.runner_up;
+    const a = sc[win].prediction;
+    const b = sc[r].prediction;
+    let line = `Predicted cost ${ms(a.cost_ms)} against ${names[r]}'s ${ms(b.cost_ms)}`;
+    const terms = [
+      { label: 'prefill', diff: (b.uncached_tokens * b.ms_per_token) - (a.uncached_tokens * a.ms_per_token) },
+      { label: 'queue', diff: b.queue_ms - a.queue_ms },
+      { label: 'delay to others', diff: b.delay_to_others_ms - a.delay_to_others_ms },
+      { label: 'room', diff: b.room_ms - a.room_ms },
+    ];
+    const best = terms.reduce((x, y) => (y.diff > x.diff ? y : x));
+    line += best.diff > 0 ? `: ${names[r]} would cost ${ms(best.diff)} more ${best.label}.` : '.';
+    why.push(line);
+  } else if (d.runner_up !== null && d.runner_up !== undefined && USED[d.policy].length) {
     const r = d.runner_up;
     const margin = sc[win].total - sc[r].total;
     let line = `It scores ${num(sc[win].total)} against ${names[r]}'s ${num(sc[r].total)}.`;
@@ -512,7 +602,11 @@ function explain(view) {
     }
     why.push(line);
   }
-  if (d.tie) why.push(`Exact tie at ${num(sc[win].total)}: core broke it with its seeded random draw.`);
+  if (d.tie) {
+    why.push(d.policy === 'latency'
+      ? 'Several replicas were predicted within 2% of the best: core took the one with the most free room in its cache, then the fewest requests in flight, then its seeded random draw.'
+      : `Exact tie at ${num(sc[win].total)}: core broke it with its seeded random draw.`);
+  }
   if (d.all_down) why.push('Every replica was down, so health was ignored.');
   return why;
 }
@@ -812,6 +906,8 @@ function onKey(event) {
 async function main() {
   await init();
   app.defaults = JSON.parse(coreDefaults());
+  for (const [policy, scorers] of Object.entries(app.defaults.policy_scorers)) USED[policy] = scorers;
+  for (const policy of app.defaults.predicting) PREDICTING.add(policy);
   field('policy').replaceChildren(...app.defaults.policies.map((p) => h('option', { value: p }, p)));
   field('shape').replaceChildren(...app.defaults.shapes.map((p) => h('option', { value: p }, p)));
   // The demo's limits live in the wasm crate; the inputs take them from there.
