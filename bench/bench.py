@@ -10,6 +10,9 @@ Sections:
   cache   the same traces through each router in front of fresh fake vLLM replicas; hit rate
           from the replicas' own counters, TTFT, load spread, groups kept on one replica, and a
           one-server unlimited-cache upper bound per trace.
+  sweep   where prefill hurts: tenants, a hot tenant, conversations, RAG and a trace with
+          nothing shared, each at 0.1, 0.5 and 1 ms per uncached token, with caches that hold
+          a third to a half of the groups; the latency targets checked per trace and cost.
   cost    wrk (closed loop) against a zero-latency backend at 1, 8 and 64 KB bodies: unloaded
           latency (1 connection) and throughput (many connections), as ratios to Envoy RR.
   scale   the core's criterion benches and the index memory example.
@@ -88,10 +91,57 @@ SMOKE_SCENARIO = {
     },
 }
 
+# The prefill-cost sweep. Every trace runs at each cost through each router in front of fresh
+# replicas whose caches hold a third to a half of the trace's groups, so a router that does not
+# partition the groups loses them to eviction. `splittable`: the groups can be spread evenly
+# over the replicas (the max/mean target applies); `shared`: requests share prefixes (the
+# hit-rate targets apply; the nothing-shared trace is judged on TTFT against LEAST_REQUEST).
+SWEEP_COSTS = [0.1, 0.5, 1.0]
+SWEEP_SCENARIOS = {
+    "tenants": {
+        "title": "24 tenants, ~750-token system prompts; each replica caches a third of them",
+        "trace": {"shape": "tenants", "tenants": 24, "prompt-words": 600,
+                  "question-words": 40, "rate": 20, "requests": 400, "seed": 11},
+        "quick_requests": 200, "replicas": 6, "kv_blocks": 420, "lanes": 4,
+        "splittable": True, "shared": True,
+    },
+    "hot": {
+        "title": "8 tenants, one with 60% of the traffic at 50 req/s; caches hold half of them",
+        "trace": {"shape": "tenants", "tenants": 8, "prompt-words": 600, "question-words": 40,
+                  "rate": 50, "requests": 600, "hot": 0.6, "seed": 12},
+        "quick_requests": 300, "replicas": 6, "kv_blocks": 200, "lanes": 2,
+        "splittable": False, "shared": True,
+    },
+    "conversations": {
+        "title": "24 conversations sharing a ~190-token system prompt, growing every turn",
+        "trace": {"shape": "conversations", "tenants": 24, "prompt-words": 150,
+                  "question-words": 30, "rate": 20, "requests": 400, "seed": 13},
+        "quick_requests": 200, "replicas": 6, "kv_blocks": 900, "lanes": 4,
+        "splittable": True, "shared": True,
+    },
+    "rag": {
+        "title": "8 documents of ~1,900 tokens over 6 replicas caching 3 documents each",
+        "trace": {"shape": "rag", "tenants": 8, "prompt-words": 1500, "question-words": 20,
+                  "rate": 15, "requests": 300, "seed": 14},
+        "quick_requests": 150, "replicas": 6, "kv_blocks": 380, "lanes": 4,
+        "splittable": False, "shared": True,
+    },
+    "unique": {
+        "title": "nothing shared: every request a new ~380-token prompt",
+        "trace": {"shape": "unique", "prompt-words": 300, "question-words": 20,
+                  "rate": 15, "requests": 300, "seed": 15},
+        "quick_requests": 150, "replicas": 6, "kv_blocks": 400, "lanes": 4,
+        "splittable": True, "shared": False,
+    },
+}
+SWEEP_ROUTERS = ["envoy-lr", "sglang", "vllm", "prefix", "latency"]
+PEERS = {"envoy-rr", "envoy-lr", "sglang", "vllm"}
+
 # Routers in the cache section. "ours" marks prefixroute's own policies; the rest are peers.
-CACHE_ROUTERS = ["envoy-rr", "envoy-lr", "sglang", "vllm", "prefix", "prefix-only"]
-COST_SYSTEMS = ["direct", "envoy-rr", "prefix", "sglang", "vllm"]
-OURS = {"prefix", "prefix-only"}
+CACHE_ROUTERS = ["envoy-rr", "envoy-lr", "sglang", "vllm", "prefix", "prefix-only", "latency"]
+COST_SYSTEMS = ["direct", "envoy-rr", "latency", "sglang", "vllm"]
+OURS = {"prefix", "prefix-only", "latency"}
+PLUGIN = OURS
 LABEL = {
     "direct": "direct (no router)",
     "envoy-rr": "Envoy ROUND_ROBIN",
@@ -100,6 +150,7 @@ LABEL = {
     "vllm": "vllm-router cache_aware",
     "prefix": "prefixroute prefix",
     "prefix-only": "prefixroute prefix-only",
+    "latency": "prefixroute latency",
     "upper": "upper bound: 1 server, unlimited cache",
 }
 
@@ -325,7 +376,7 @@ class Router:
             assert len(fleet) >= 1
             self.url = fleet[0].url
             return
-        if kind in ("envoy-rr", "envoy-lr", "prefix", "prefix-only"):
+        if kind in ("envoy-rr", "envoy-lr") or kind in PLUGIN:
             policy = {"envoy-rr": "round-robin", "envoy-lr": "least-request"}.get(kind, kind)
             admin = free_port()
             self.admin = admin
@@ -356,14 +407,14 @@ class Router:
         # Ready = a GET through the router reaches a replica (touches no cache).
         wait_until(f"router {kind}", lambda: http_get(f"{self.url}/v1/models") == 200,
                    self.proc, 60, log_path)
-        if kind in ("prefix", "prefix-only"):
+        if kind in PLUGIN:
             # As `prefixroute compare` does: let the first scrapes land (default interval 1 s).
             time.sleep(2.1)
 
     def plugin_stats(self):
         """The plugin's own counters (prefixroute.*) from Envoy's admin, or {} for other
         routers. Fallbacks other than not_routable mean a request was not routed by prefix."""
-        if self.kind not in ("prefix", "prefix-only") or self.admin is None:
+        if self.kind not in PLUGIN or self.admin is None:
             return {}
         url = f"http://127.0.0.1:{self.admin}/stats?filter=prefixroute"
         try:
@@ -437,6 +488,190 @@ def summarize_replay(summary, fleet_names):
 # --------------------------------------------------------------------------------------------
 # Section: cache effect.
 # --------------------------------------------------------------------------------------------
+
+
+def run_one(env, kind, sc, trace, requests, per_token_ms, tag):
+    """One router (or the upper bound) in front of fresh replicas, one replay of `trace`."""
+    span = requests / max(sc["trace"]["rate"], 1e-9)
+    budget = span * 3 + 180
+    overhead = sc.get("prefill_overhead_ms", 5)
+    if kind == "upper":
+        fleet = start_fleet(env, 1, UPPER_BOUND_BLOCKS, sc["lanes"] * sc["replicas"], overhead,
+                            per_token_ms, f"{tag}-upper")
+    else:
+        fleet = start_fleet(env, sc["replicas"], sc["kv_blocks"], sc["lanes"], overhead,
+                            per_token_ms, f"{tag}-{kind}")
+    router = None
+    try:
+        router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
+        t0 = time.monotonic()
+        summary = replay(env, trace, router.url, fleet, budget)
+        row = summarize_replay(summary, [r.name for r in fleet])
+        row["wall_s"] = time.monotonic() - t0
+        row["plugin_stats"] = router.plugin_stats()
+        return row
+    finally:
+        if router is not None:
+            router.close()
+        for r in fleet:
+            stop(r.proc)
+
+
+def run_sweep(env, scenarios, routers, costs, quick):
+    """Every scenario at every prefill cost through every router and the upper bound."""
+    results = {}
+    for key, sc in scenarios.items():
+        requests = sc["quick_requests"] if quick else sc["trace"]["requests"]
+        trace = env.workdir / f"sweep-{key}.jsonl"
+        make_trace(env, sc["trace"], requests, trace)
+        results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
+                        "costs": {}}
+        for cost in costs:
+            rows = {}
+            for kind in routers + ["upper"]:
+                if kind in ("sglang", "vllm") and not env.peers_available[kind]:
+                    continue
+                row = run_one(env, kind, sc, trace, requests, cost, f"sweep-{key}-{cost}")
+                rows[kind] = row
+                log(f"sweep/{key}@{cost}: {kind:<9} hit {fmt_pct(row['hit_rate'])}  "
+                    f"p95 {fmt_ms(row['p95_ms'])}  max/mean {fmt_ratio(row['max_mean'])}  "
+                    f"errors {row['errors']}")
+            results[key]["costs"][str(cost)] = rows
+    return results
+
+
+def run_sim_sweep(env, scenarios, costs):
+    """The sweep's grid through `prefixroute simulate` (deterministic, every policy): the same
+    traces, fleets and costs, without Envoy, processes or clocks."""
+    results = {}
+    for key, sc in scenarios.items():
+        trace = env.workdir / f"sim-{key}.jsonl"
+        make_trace(env, sc["trace"], sc["trace"]["requests"], trace)
+        results[key] = {"title": sc["title"], "scenario": sc, "costs": {}}
+        for cost in costs:
+            argv = [env.prefixroute, "simulate", trace, "--json", "--replicas", sc["replicas"],
+                    "--cache-blocks", sc["kv_blocks"], "--slots", sc["lanes"],
+                    "--block-size", BLOCK_SIZE, "--decode-ms-per-token", 0,
+                    "--prefill-ms-per-token", cost]
+            r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                               timeout=600, check=True)
+            results[key]["costs"][str(cost)] = json.loads(r.stdout)
+        log(f"sim-sweep/{key}: done")
+    return results
+
+
+def report_sim_sweep(sim):
+    lines = []
+    for key, res in sim.items():
+        costs = list(res["costs"])
+        lines.append(f"#### {key}: {res['title']}")
+        lines.append("")
+        lines.append("| policy |" + "".join(f" hit (of bound) @{c} | p95 @{c} | max/mean @{c} |"
+                                          for c in costs))
+        lines.append("|---|" + "---:|---:|---:|" * len(costs))
+        policies = [p["policy"] for p in res["costs"][costs[0]]["policies"]]
+        for i, policy in enumerate(policies + ["upper bound"]):
+            cells = []
+            for c in costs:
+                out = res["costs"][c]
+                bound = out["upper_bound"]
+                row = bound if policy == "upper bound" else out["policies"][i]
+                share = (f" ({row['hit_rate'] / bound['hit_rate'] * 100:.0f}%)"
+                         if bound["hit_rate"] and policy != "upper bound" else "")
+                counts = row["requests_per_replica"]
+                mean = sum(counts) / len(counts) if counts else 0
+                mm = "-" if policy == "upper bound" or not mean else f"{max(counts) / mean:.2f}x"
+                cells.append(f" {fmt_pct(row['hit_rate'])}{share} | "
+                             f"{fmt_ms(row['ttft_p95_ms'], 0)} | {mm} |")
+            lines.append(f"| {policy} |" + "".join(cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def sweep_targets(sweep):
+    """The latency policy's targets per scenario and cost (see SWEEP_SCENARIOS)."""
+    out = []
+    for key, res in sweep.items():
+        sc = res["scenario"]
+        for cost, rows in res["costs"].items():
+            ours, upper = rows.get("latency"), rows.get("upper")
+            if not ours or not upper:
+                continue
+            peers = {k: r for k, r in rows.items() if k in PEERS}
+            e = {"scenario": key, "cost": cost, "hit": ours["hit_rate"],
+                 "upper": upper["hit_rate"], "p95": ours["p95_ms"],
+                 "max_mean": ours["max_mean"]}
+            if peers:
+                best = min(peers, key=lambda k: peers[k]["p95_ms"])
+                e["best_peer_p95"] = (best, peers[best]["p95_ms"])
+                e["ok_p95"] = ours["p95_ms"] <= peers[best]["p95_ms"]
+            if sc["shared"]:
+                e["ok_upper"] = (ours["hit_rate"] or 0) >= 0.95 * (upper["hit_rate"] or 0)
+                if "sglang" in rows:
+                    e["sglang_hit"] = rows["sglang"]["hit_rate"]
+                    e["ok_sglang"] = (ours["hit_rate"] or 0) >= (rows["sglang"]["hit_rate"] or 0)
+            elif "envoy-lr" in rows:
+                lr = rows["envoy-lr"]["p95_ms"]
+                e["lr_p95"] = lr
+                e["ok_lr"] = ours["p95_ms"] <= 1.1 * lr
+            if sc["splittable"] and ours["max_mean"] is not None:
+                e["ok_max_mean"] = ours["max_mean"] <= 1.3
+            out.append(e)
+    return out
+
+
+def report_sweep(sweep):
+    lines = []
+    for key, res in sweep.items():
+        sc = res["scenario"]
+        costs = list(res["costs"])
+        lines.append(f"#### {key}: {res['title']}")
+        lines.append("")
+        lines.append(f"Trace: `prefixroute trace {trace_flags(sc['trace'], res['requests'])}`. "
+                     f"Replicas: {sc['replicas']} fake servers, {sc['kv_blocks']} blocks x "
+                     f"{BLOCK_SIZE} tokens of cache, {sc['lanes']} lanes, prefill 5 ms + the cost "
+                     "below per uncached token, no decode time.")
+        lines.append("")
+        head = "| router |" + "".join(f" hit @{c} | p95 @{c} | max/mean @{c} |" for c in costs)
+        lines.append(head)
+        lines.append("|---|" + "---:|---:|---:|" * len(costs))
+        kinds = [k for k in list(res["costs"][costs[0]]) if k != "upper"] + ["upper"]
+        for kind in kinds:
+            cells = []
+            for c in costs:
+                row = res["costs"][c].get(kind)
+                if row is None:
+                    cells.append(" - | - | - |")
+                    continue
+                mm = "-" if kind == "upper" else fmt_ratio(row["max_mean"])
+                cells.append(f" {fmt_pct(row['hit_rate'])} | {fmt_ms(row['p95_ms'])} | {mm} |")
+            name = LABEL[kind] + (" (ours)" if kind in OURS else "")
+            lines.append(f"| {name} |" + "".join(cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report_sweep_targets(entries):
+    lines = ["| trace | cost (ms/token) | latency hit | / upper bound (≥ 0.95) | vs sglang-router "
+             "hit | TTFT p95 | best peer p95 | max/mean (≤ 1.3 if splittable) |",
+             "|---|---:|---:|---|---|---:|---|---|"]
+    for e in entries:
+        share = (e["hit"] / e["upper"]) if e.get("upper") else None
+        upper = f"{fmt_ratio(share)} {verdict(e['ok_upper'])}" if "ok_upper" in e else "-"
+        sg = (f"{fmt_pct(e['sglang_hit'])} {verdict(e['ok_sglang'])}"
+              if "ok_sglang" in e else "-")
+        if "ok_lr" in e:
+            peer = f"LEAST_REQUEST {fmt_ms(e['lr_p95'])} (≤ 1.1×) {verdict(e['ok_lr'])}"
+        elif "best_peer_p95" in e:
+            name, p95 = e["best_peer_p95"]
+            peer = f"{LABEL[name]} {fmt_ms(p95)} {verdict(e['ok_p95'])}"
+        else:
+            peer = "-"
+        mm = (f"{fmt_ratio(e['max_mean'])} {verdict(e['ok_max_mean'])}"
+              if "ok_max_mean" in e else fmt_ratio(e["max_mean"]))
+        lines.append(f"| {e['scenario']} | {e['cost']} | {fmt_pct(e['hit'])} | {upper} | {sg} | "
+                     f"{fmt_ms(e['p95'])} | {peer} | {mm} |")
+    return "\n".join(lines)
 
 
 def run_cache(env, scenarios, routers, quick):
@@ -642,6 +877,10 @@ def verdict(ok):
     return "meets" if ok else "**MISSES**"
 
 
+def trace_flags(trace, requests):
+    return " ".join(f"--{k} {requests if k == 'requests' else v}" for k, v in trace.items())
+
+
 def report_cache(cache):
     lines = []
     for key, res in cache.items():
@@ -674,18 +913,21 @@ def report_cache(cache):
 
 
 def cache_targets(cache):
-    """Per scenario: prefix vs the best peer, vs the upper bound, and its max/mean."""
+    """Per scenario: our default policy (latency, else prefix) vs the best peer, vs the upper
+    bound, and its max/mean."""
     out = []
     for key, res in cache.items():
         rows = res["rows"]
-        ours = rows.get("prefix")
+        policy = "latency" if "latency" in rows else "prefix"
+        ours = rows.get(policy)
         if ours is None or ours["hit_rate"] is None:
             continue
         peers = {k: v for k, v in rows.items()
                  if k not in OURS and k != "upper" and v["hit_rate"] is not None}
         best_kind = max(peers, key=lambda k: peers[k]["hit_rate"]) if peers else None
         upper = rows.get("upper", {}).get("hit_rate")
-        entry = {"scenario": key, "prefix_hit": ours["hit_rate"], "best_peer": best_kind,
+        entry = {"scenario": key, "policy": policy, "ours_hit": ours["hit_rate"],
+                 "best_peer": best_kind,
                  "best_peer_hit": peers[best_kind]["hit_rate"] if best_kind else None,
                  "upper": upper, "max_mean": ours["max_mean"],
                  "p95_ms": ours["p95_ms"],
@@ -698,15 +940,16 @@ def cache_targets(cache):
 
 
 def report_cache_targets(entries):
-    lines = ["| trace | prefix hit | best peer (hit) | vs best peer | upper bound | "
-             "prefix / bound | max/mean ≤ 1.3 |", "|---|---:|---|---|---:|---:|---|"]
+    lines = ["| trace | policy | hit | best peer (hit) | vs best peer | upper bound | "
+             "hit / bound | max/mean ≤ 1.3 |", "|---|---|---:|---|---|---:|---:|---|"]
     for e in entries:
         peer = "-" if e["best_peer"] is None else \
             f"{LABEL[e['best_peer']]} ({fmt_pct(e['best_peer_hit'])})"
-        ratio = "-" if not e["upper"] else f"{e['prefix_hit'] / e['upper'] * 100:.1f}%"
+        ratio = "-" if not e["upper"] else f"{e['ours_hit'] / e['upper'] * 100:.1f}%"
         max_mean = "-" if e["max_mean"] is None else f"{e['max_mean']:.2f}"
         lines.append(
-            f"| {e['scenario']} | {fmt_pct(e['prefix_hit'])} | {peer} | {verdict(e['ok_vs_peer'])} "
+            f"| {e['scenario']} | {e['policy']} | {fmt_pct(e['ours_hit'])} | {peer} | "
+            f"{verdict(e['ok_vs_peer'])} "
             f"| {fmt_pct(e['upper'])} | {ratio} {verdict(e['ok_vs_upper'])} | "
             f"{max_mean} {verdict(e['ok_max_mean'])} |")
     return "\n".join(lines)
@@ -743,7 +986,8 @@ def report_cost(cost, duration_s, connections, rounds):
 def cost_targets(cost):
     out = []
     for size, systems in cost.items():
-        base, ours = systems.get("envoy-rr"), systems.get("prefix")
+        base = systems.get("envoy-rr")
+        ours = systems.get("latency") or systems.get("prefix")
         if not base or not ours:
             continue
         e = {"size": size,
@@ -835,8 +1079,14 @@ def main():
     p.add_argument("--smoke", action="store_true",
                    help="CI smoke: one short trace, Envoy RR vs plugin prefix (+ sglang-router "
                         "if installed), a 2 s cost check; exits 1 if anything is wrong")
-    p.add_argument("--sections", default="cache,cost,scale",
-                   help="comma list of cache, cost, scale (default: all)")
+    p.add_argument("--sections", default="cache,sim-sweep,sweep,cost,scale",
+                   help="comma list of cache, sim-sweep, sweep, cost, scale (default: all)")
+    p.add_argument("--sweep-scenarios", default=",".join(SWEEP_SCENARIOS),
+                   help="sweep traces to run (default: all)")
+    p.add_argument("--sweep-routers", default=",".join(SWEEP_ROUTERS),
+                   help="routers in the sweep section (default: all)")
+    p.add_argument("--costs", default=",".join(str(c) for c in SWEEP_COSTS),
+                   help="prefill costs of the sweep, ms per uncached token")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="cache traces to run (default: all)")
     p.add_argument("--routers", default=",".join(CACHE_ROUTERS),
@@ -874,8 +1124,9 @@ def main():
     quick = args.quick
     if args.smoke:
         scenarios = SMOKE_SCENARIO
-        routers = ["envoy-rr", "prefix"] + (["sglang"] if env.peers_available["sglang"] else [])
-        cost_systems = ["direct", "envoy-rr", "prefix"]
+        routers = ["envoy-rr", "prefix", "latency"] + (
+            ["sglang"] if env.peers_available["sglang"] else [])
+        cost_systems = ["direct", "envoy-rr", "latency"]
         cost_sizes = [8192]
         duration = args.duration or 2
         connections = 8
@@ -885,6 +1136,9 @@ def main():
             log("smoke: wrk not installed, cost check skipped")
     else:
         scenarios = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
+        sweep_scenarios = {k: SWEEP_SCENARIOS[k] for k in args.sweep_scenarios.split(",")}
+        sweep_routers = args.sweep_routers.split(",")
+        costs = [float(c) for c in args.costs.split(",")]
         routers = args.routers.split(",")
         cost_systems = args.systems.split(",")
         cost_sizes = COST_SIZES
@@ -904,6 +1158,10 @@ def main():
     try:
         if "cache" in sections:
             results["cache"] = run_cache(env, scenarios, routers, quick)
+        if "sim-sweep" in sections:
+            results["sim_sweep"] = run_sim_sweep(env, sweep_scenarios, costs)
+        if "sweep" in sections:
+            results["sweep"] = run_sweep(env, sweep_scenarios, sweep_routers, costs, quick)
         if "cost" in sections:
             results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
                                        rounds)
@@ -935,7 +1193,8 @@ def main():
         entries = cache_targets(results["cache"])
         results["cache_targets"] = entries
         if entries:
-            md += ["### Targets: prefixroute prefix", "", report_cache_targets(entries), ""]
+            md += ["### Targets: prefixroute's default policy", "",
+                   report_cache_targets(entries), ""]
         for key, res in results["cache"].items():
             for kind, row in res["rows"].items():
                 if row["errors"]:
@@ -946,6 +1205,29 @@ def main():
                 if row["unknown_endpoint"]:
                     failures.append(f"cache/{key}/{kind}: {row['unknown_endpoint']} answers "
                                     "named no replica")
+    if "sim_sweep" in results:
+        md += ["## Prefill-cost sweep in the simulator", "",
+               "`prefixroute simulate` on the sweep's traces and fleets (deterministic; every "
+               "policy; the share of the upper bound in brackets).", "",
+               report_sim_sweep(results["sim_sweep"])]
+    if "sweep" in results:
+        md += ["## Prefill-cost sweep", "",
+               "Every trace at each prefill cost, through each router in front of fresh "
+               "replicas whose caches hold a third to a half of the groups. Hit rate, TTFT and "
+               "max/mean as in the cache section.", "", report_sweep(results["sweep"])]
+        entries = sweep_targets(results["sweep"])
+        results["sweep_targets"] = entries
+        if entries:
+            md += ["### Targets: prefixroute latency", "", report_sweep_targets(entries), ""]
+        for key, res in results["sweep"].items():
+            for cost, rows in res["costs"].items():
+                for kind, row in rows.items():
+                    if row["errors"]:
+                        failures.append(f"sweep/{key}@{cost}/{kind}: {row['errors']} errors "
+                                        f"{row['errors_by_kind']}")
+                    if row["hit_rate"] is None or not row["settled"]:
+                        failures.append(f"sweep/{key}@{cost}/{kind}: server counters not "
+                                        "settled")
     def plugin_problems(where, stats):
         for name, value in stats.items():
             bad = (".fallback." in name and not name.endswith("not_routable")) \
@@ -956,6 +1238,10 @@ def main():
     for key, res in results.get("cache", {}).items():
         for kind, row in res["rows"].items():
             plugin_problems(f"cache/{key}/{kind}", row.get("plugin_stats") or {})
+    for key, res in results.get("sweep", {}).items():
+        for cost, rows in res["costs"].items():
+            for kind, row in rows.items():
+                plugin_problems(f"sweep/{key}@{cost}/{kind}", row.get("plugin_stats") or {})
     for size, systems in results.get("cost", {}).items():
         for kind, m in systems.items():
             for stats in m.get("plugin_stats", []):
@@ -966,7 +1252,7 @@ def main():
         entries = cost_targets(results["cost"])
         results["cost_targets"] = entries
         if entries:
-            md += ["### Targets: prefixroute prefix vs Envoy RR", "",
+            md += ["### Targets: prefixroute latency vs Envoy RR", "",
                    report_cost_targets(entries), ""]
         for size, systems in results["cost"].items():
             for kind, m in systems.items():
@@ -978,13 +1264,15 @@ def main():
         md += ["## Scale", "", report_scale(results["scale"]), ""]
     if args.smoke and "cache" in results:
         rows = results["cache"]["smoke"]["rows"]
-        rr, ours = rows.get("envoy-rr"), rows.get("prefix")
-        if rr and ours and rr["hit_rate"] is not None and ours["hit_rate"] is not None:
-            if not ours["hit_rate"] > rr["hit_rate"]:
-                failures.append(f"smoke: prefix hit rate {fmt_pct(ours['hit_rate'])} is not "
-                                f"above Envoy RR's {fmt_pct(rr['hit_rate'])}")
-        else:
-            failures.append("smoke: missing Envoy RR or prefix results")
+        rr = rows.get("envoy-rr")
+        for policy in ("prefix", "latency"):
+            ours = rows.get(policy)
+            if rr and ours and rr["hit_rate"] is not None and ours["hit_rate"] is not None:
+                if not ours["hit_rate"] > rr["hit_rate"]:
+                    failures.append(f"smoke: {policy} hit rate {fmt_pct(ours['hit_rate'])} is "
+                                    f"not above Envoy RR's {fmt_pct(rr['hit_rate'])}")
+            else:
+                failures.append(f"smoke: missing Envoy RR or {policy} results")
     if failures:
         md += ["## Problems", ""] + [f"- {f}" for f in failures] + [""]
     results["problems"] = failures
