@@ -419,8 +419,8 @@ impl<S: PrefixStore> Router<S> {
             .collect()
     }
 
-    /// Records a decision: the chosen endpoint now (believably) holds the request's blocks,
-    /// and the request's full blocks end where the next request of its group will continue.
+    /// Records a decision: the chosen endpoint now (believably) holds the request's full
+    /// blocks, which end where the next request of its group will continue.
     pub fn commit(&mut self, decision: &Decision, hashes: &BlockHashes) {
         if decision.endpoint >= self.endpoints {
             return;
@@ -428,10 +428,14 @@ impl<S: PrefixStore> Router<S> {
         let endpoint = decision.endpoint;
         let block_size = hashes.block_size.max(1);
         for (chain, &tokens) in hashes.chains.iter().zip(&hashes.tokens) {
-            self.store.record(endpoint, chain);
-            if let Some(&end) = chain.get((tokens / block_size).wrapping_sub(1)) {
-                self.store.mark_end(endpoint, end);
+            // Full blocks only: a server never caches the partial last block, and believing it
+            // would take room in the belief that the server's cache does not spend.
+            let full = (tokens / block_size).min(chain.len());
+            if full == 0 {
+                continue;
             }
+            self.store.record(endpoint, &chain[..full]);
+            self.store.mark_end(endpoint, chain[full - 1]);
         }
         let new_blocks = decision.total_blocks.saturating_sub(
             decision
@@ -627,18 +631,39 @@ mod tests {
     #[test]
     fn pick_does_not_change_belief_until_commit() {
         let mut r = router(Policy::Prefix, 3);
-        let h = hashes("one two three four five");
+        let h = hashes("one two three four");
         let first = r.pick(&h, &idle(3));
         assert!(first.cold);
         assert_eq!(r.matched_blocks(&h), vec![0, 0, 0]);
         r.commit(&first, &h);
         let second = r.pick(&h, &idle(3));
         assert_eq!(second.endpoint, first.endpoint);
-        assert_eq!(second.matched_blocks(), 3);
+        assert_eq!(second.matched_blocks(), 2);
         assert!(!second.cold);
         assert_eq!(second.scores[second.endpoint].prefix, 1.0);
         // 3·1 + 2·1 + 2·1 + 1·0.5
         assert_eq!(second.score(), 7.5);
+    }
+
+    #[test]
+    fn only_full_blocks_are_believed_as_only_they_are_cached() {
+        let mut r = router(Policy::Prefix, 2);
+        // Five tokens in blocks of two: two full blocks and a partial one.
+        let h = hashes("one two three four five");
+        assert_eq!(h.total_blocks(), 3);
+        let d = r.pick(&h, &idle(2));
+        r.commit(&d, &h);
+        assert_eq!(r.matched_blocks(&h)[d.endpoint], 2);
+        assert_eq!(r.store().room(d.endpoint).believed_blocks, 2);
+        // The next turn of the same prompt continues where its full blocks ended.
+        let next = hashes("one two three four five six seven");
+        let m = r.matched_per_chain(d.endpoint, &next);
+        assert!(r.store().continues(d.endpoint, &next.chains[0], m[0]));
+        // A prompt shorter than a block leaves nothing to believe.
+        let tiny = hashes("x");
+        let t = r.pick(&tiny, &idle(2));
+        r.commit(&t, &tiny);
+        assert_eq!(r.matched_blocks(&tiny), vec![0, 0]);
     }
 
     #[test]
@@ -799,7 +824,7 @@ mod tests {
     #[test]
     fn summary_names_winner_and_runner_up() {
         let mut r = router(Policy::Prefix, 2);
-        let h = hashes("aa bb cc");
+        let h = hashes("aa bb cc dd");
         let d = r.pick(&h, &idle(2));
         r.commit(&d, &h);
         let d = r.pick(&h, &idle(2));

@@ -12,9 +12,13 @@
 //!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
 //!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
 //!   with one write.
-//! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
-//!   prefixes (the shared system prompt) cost reads only, and the clock advances roughly with
-//!   *distinct* blocks, which is what an LRU's capacity counts.
+//! * The clock advances once per *new* block. A block `e` already holds is re-stamped only
+//!   when its age reaches `capacity / 4`, and then with the current clock value, without
+//!   advancing it: hot prefixes (the shared system prompt) cost reads only, and like an LRU's
+//!   touch, keeping them costs no room in the window. The window thus holds the last
+//!   `capacity` new blocks plus the blocks kept hot; a server's LRU of `capacity` blocks holds
+//!   a little less (the hot ones count against its capacity), so beyond capacity the belief
+//!   errs towards locality.
 //!
 //! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
 //! core [`prefixroute_core::PrefixIndex`]'s answers; beyond that it is an approximate LRU (a
@@ -426,10 +430,10 @@ impl<H: SharedData> SharedIndex<H> {
         }
     }
 
-    /// Advances `endpoint`'s clock by `n` stamps, of which `new` are blocks it did not hold,
-    /// with a CAS (with `restart`, its belief is emptied: it holds nothing); returns the new
-    /// clock, or `None` when the write failed (counted).
-    fn advance_clock(&self, endpoint: usize, n: u64, new: u64, restart: bool) -> Option<u64> {
+    /// Advances `endpoint`'s clock by `n` stamps for as many new blocks, with a CAS (with
+    /// `restart`, its belief is emptied instead: it holds nothing); returns the new clock, or
+    /// `None` when the write failed (counted).
+    fn advance_clock(&self, endpoint: usize, n: u64, restart: bool) -> Option<u64> {
         let key = self.state_keys.get(endpoint)?;
         for _ in 0..CAS_ATTEMPTS {
             let slot = self.load_state(endpoint)?;
@@ -438,7 +442,7 @@ impl<H: SharedData> SharedIndex<H> {
             next.fill = if restart {
                 0
             } else {
-                next.fill.saturating_add(new)
+                next.fill.saturating_add(n)
             };
             match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
                 Ok(()) => {
@@ -542,34 +546,45 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
         // records of a hot prefix). The unmatched tail always needs stamps.
         let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
-        let stale: Vec<u64> = chain
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|&(i, hash)| i >= matched || (refresh_prefix && needs_stamp(hash)))
-            .map(|(_, hash)| hash)
-            .collect();
-        if stale.is_empty() {
+        let refreshed: Vec<usize> = if refresh_prefix {
+            (0..matched).filter(|&i| needs_stamp(chain[i])).collect()
+        } else {
+            Vec::new()
+        };
+        let new = chain.len().saturating_sub(matched) as u64;
+        if new == 0 && refreshed.is_empty() {
             return;
         }
-        let n = stale.len() as u64;
-        let new = chain.len().saturating_sub(matched) as u64;
-        let Some(new_clock) = self.advance_clock(endpoint, n, new, false) else {
-            return;
+        // New blocks (the unmatched tail) take fresh stamps from the clock, the head newest, so
+        // that when the window slides a prompt's tail ages out before its shared head (as in
+        // core). Refreshed blocks of the matched prefix take the newest stamp without moving
+        // the clock: like an LRU's touch, keeping a hot prefix takes no extra room in the
+        // window, which then holds the last `capacity` new blocks plus what is kept hot.
+        let new_clock = if new > 0 {
+            match self.advance_clock(endpoint, new, false) {
+                Some(clock) => clock,
+                None => return,
+            }
+        } else {
+            clock
         };
-        // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
-        // window slides the tail of a prompt ages out before its shared head (as in core).
         let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-        for (k, &hash) in stale.iter().enumerate() {
+        let mut add = |hash: u64, stamp: u64| {
             by_bucket
                 .entry(self.bucket_of(hash))
                 .or_default()
                 .push(Update {
                     endpoint: id,
                     hash,
-                    stamp: new_clock - k as u64,
+                    stamp,
                     end: false,
                 });
+        };
+        for &i in &refreshed {
+            add(chain[i], new_clock);
+        }
+        for (k, &hash) in chain[matched..].iter().enumerate() {
+            add(hash, new_clock - k as u64);
         }
         for (bucket, updates) in by_bucket {
             self.queue_updates(bucket, updates);
@@ -578,7 +593,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 
     fn forget_endpoint(&mut self, endpoint: usize) {
         let capacity = self.endpoint_capacity(endpoint);
-        self.advance_clock(endpoint, capacity, 0, true);
+        self.advance_clock(endpoint, capacity, true);
     }
 
     fn set_capacity(&mut self, endpoint: usize, blocks: usize) {

@@ -84,3 +84,15 @@ pub(crate) fn read_trace(
     );
     Ok(records)
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Clap's own consistency checks (unique flag names across flattened groups, …), which it
+    /// otherwise runs only when a command is parsed.
+    #[test]
+    fn every_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
+}

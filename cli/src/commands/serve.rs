@@ -55,7 +55,7 @@ pub struct PluginArgs {
     /// The most sequences the latency policy assumes a replica prefills at once (it learns
     /// how many do; 1 = one compute-bound batch from the start).
     #[arg(long, default_value_t = LatencyConfig::default().lanes)]
-    lanes: u32,
+    prior_lanes: u32,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Index capacity per endpoint, in blocks.
@@ -109,7 +109,7 @@ impl PluginArgs {
         };
         config.latency.prefill_ms_per_token = self.prior_ms_per_token;
         config.latency.overhead_ms = self.overhead_ms;
-        config.latency.lanes = self.lanes;
+        config.latency.lanes = self.prior_lanes;
         config.scrape.interval_ms = self.scrape_interval_ms;
         config.scrape.timeout_ms = self.scrape_timeout_ms;
         config.scrape.stale_after_ms = self.stale_after_ms;
