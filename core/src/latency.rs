@@ -512,6 +512,112 @@ pub struct EndpointWork {
     pub prefill_tokens: u64,
 }
 
+/// How far an endpoint's believed cache is from its server's truth, and the scale that brings
+/// it back.
+///
+/// The router's belief is approximate (it learns only from its own decisions; the plugin's
+/// shared index is an approximate LRU), and a belief that promises hits the server no longer
+/// has keeps sending requests to a thrashing cache. The server's own counters tell
+/// (`vllm:prefix_cache_hits_total / queries_total`): every scrape interval, its hit rate is
+/// compared with the hit rate the router predicted for the requests it sent there
+/// (`Prediction::cached_tokens / prompt tokens`), both as decayed sums. Rates, not totals, so
+/// traffic from other gateways does not skew it. When the server hits less than predicted,
+/// the believed capacity is scaled down (multiplicatively, by the square root of the ratio,
+/// so it settles instead of overshooting), and back up, never above the real capacity, when
+/// the belief promises no more than the server delivers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub scale: f64,
+    pub served_hits: f64,
+    pub served_queries: f64,
+    pub predicted_hits: f64,
+    pub predicted_queries: f64,
+}
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Calibration {
+            scale: 1.0,
+            served_hits: 0.0,
+            served_queries: 0.0,
+            predicted_hits: 0.0,
+            predicted_queries: 0.0,
+        }
+    }
+}
+
+/// `capacity_blocks` scaled by a calibration (clamped to `MIN_CALIBRATION..=1`; garbage is 1).
+pub fn scaled_capacity(capacity_blocks: usize, scale: f64) -> usize {
+    let scale = if scale.is_finite() {
+        scale.clamp(MIN_CALIBRATION, 1.0)
+    } else {
+        1.0
+    };
+    ((capacity_blocks as f64 * scale).round() as usize).max(1)
+}
+
+/// Each interval keeps this share of the older evidence (a memory of a few intervals).
+const CALIBRATION_KEEP: f64 = 0.5;
+/// The belief never shrinks below this share of the real capacity.
+pub const MIN_CALIBRATION: f64 = 0.25;
+/// Prompt tokens of evidence (each side) below which the scale is left alone.
+const CALIBRATION_MIN_TOKENS: f64 = 2048.0;
+/// Predicted and served hit rates within this ratio of each other agree.
+const CALIBRATION_TOLERANCE: f64 = 0.9;
+
+impl Calibration {
+    /// One scrape interval: the server's hit and query tokens since the last one, and the
+    /// hit (cached) and prompt tokens the router predicted for what it sent there. Negative
+    /// or non-finite deltas (a restart, a reset counter, a worker that went away) are no
+    /// evidence.
+    pub fn observe(
+        &mut self,
+        served_hits: f64,
+        served_queries: f64,
+        predicted_hits: f64,
+        predicted_queries: f64,
+    ) {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        if !(ok(served_hits) && ok(served_queries) && ok(predicted_hits) && ok(predicted_queries))
+            || served_hits > served_queries
+        {
+            return;
+        }
+        self.served_hits = self.served_hits * CALIBRATION_KEEP + served_hits;
+        self.served_queries = self.served_queries * CALIBRATION_KEEP + served_queries;
+        self.predicted_hits = self.predicted_hits * CALIBRATION_KEEP + predicted_hits;
+        self.predicted_queries = self.predicted_queries * CALIBRATION_KEEP + predicted_queries;
+        if self.served_queries < CALIBRATION_MIN_TOKENS
+            || self.predicted_queries < CALIBRATION_MIN_TOKENS
+            || self.predicted_hits <= 0.0
+        {
+            return;
+        }
+        let served = self.served_hits / self.served_queries;
+        let predicted = self.predicted_hits / self.predicted_queries;
+        let ratio = served / predicted;
+        let step = if ratio < CALIBRATION_TOLERANCE {
+            ratio.sqrt()
+        } else if ratio > 1.0 / CALIBRATION_TOLERANCE || self.scale < 1.0 {
+            // Agreeing again (or the belief is pessimistic): grow back towards the real size.
+            ratio.max(1.0).sqrt().max(1.1)
+        } else {
+            1.0
+        };
+        let scale = self.scale * step;
+        self.scale = if scale.is_finite() {
+            scale.clamp(MIN_CALIBRATION, 1.0)
+        } else {
+            1.0
+        };
+    }
+
+    /// The believed capacity for a real one of `capacity_blocks`.
+    pub fn capacity(&self, capacity_blocks: usize) -> usize {
+        scaled_capacity(capacity_blocks, self.scale)
+    }
+}
+
 /// A router's account of its own requests per endpoint ([`EndpointWork`]) and what it learns
 /// from their first bytes ([`LearnedModel`]): a request is *sent* with the uncached tokens
 /// predicted for it, its *first byte* releases that prefill work (and teaches the model), and
@@ -521,6 +627,16 @@ pub struct EndpointWork {
 pub struct RequestLedger {
     pub work: Vec<EndpointWork>,
     pub learned: LearnedModel,
+    /// Per endpoint, since the start: prompt tokens sent and how many of them were predicted
+    /// cached (what [`Calibration`] compares with the server's counters).
+    pub sent: Vec<SentTokens>,
+}
+
+/// Prompt tokens a router sent to one endpoint, and how many it predicted cached there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentTokens {
+    pub prompt: u64,
+    pub predicted_cached: u64,
 }
 
 impl RequestLedger {
@@ -528,14 +644,22 @@ impl RequestLedger {
         RequestLedger {
             work: vec![EndpointWork::default(); endpoints],
             learned: LearnedModel::new(endpoints),
+            sent: vec![SentTokens::default(); endpoints],
         }
     }
 
-    pub fn sent(&mut self, endpoint: usize, uncached_tokens: u64) {
+    /// A request went to `endpoint` with the prediction the router made for it there.
+    pub fn sent(&mut self, endpoint: usize, prediction: &Prediction) {
+        let uncached = prediction.uncached_tokens as u64;
         if let Some(w) = self.work.get_mut(endpoint) {
             w.in_flight = w.in_flight.saturating_add(1);
             w.prefilling = w.prefilling.saturating_add(1);
-            w.prefill_tokens = w.prefill_tokens.saturating_add(uncached_tokens);
+            w.prefill_tokens = w.prefill_tokens.saturating_add(uncached);
+        }
+        if let Some(s) = self.sent.get_mut(endpoint) {
+            let cached = prediction.cached_tokens as u64;
+            s.prompt = s.prompt.saturating_add(cached + uncached);
+            s.predicted_cached = s.predicted_cached.saturating_add(cached);
         }
     }
 
@@ -1021,7 +1145,13 @@ mod tests {
         let mut ledger = RequestLedger::new(1);
         assert_eq!(ledger.learned.estimate(&c).hold_ms, 0.0);
         for _ in 0..200 {
-            ledger.sent(0, 10);
+            ledger.sent(
+                0,
+                &Prediction {
+                    uncached_tokens: 10,
+                    ..Prediction::default()
+                },
+            );
             ledger.first_byte(0, 10, None, &c).unwrap();
             ledger.done(0, None, Some(120.0)).unwrap();
         }
@@ -1305,8 +1435,20 @@ mod tests {
     fn the_ledger_releases_prefill_at_the_first_byte_and_the_lane_at_the_end() {
         let c = config();
         let mut ledger = RequestLedger::new(2);
-        ledger.sent(1, 300);
-        ledger.sent(1, 40);
+        let predicted = |cached, uncached| Prediction {
+            cached_tokens: cached,
+            uncached_tokens: uncached,
+            ..Prediction::default()
+        };
+        ledger.sent(1, &predicted(0, 300));
+        ledger.sent(1, &predicted(100, 40));
+        assert_eq!(
+            ledger.sent[1],
+            SentTokens {
+                prompt: 440,
+                predicted_cached: 100
+            }
+        );
         assert_eq!(
             ledger.work[1],
             EndpointWork {
@@ -1334,6 +1476,41 @@ mod tests {
         assert!(ledger
             .first_byte(0, 1, Some(observation(Backlog::default(), 1.0, 0.0)), &c)
             .is_err());
+    }
+
+    #[test]
+    fn a_belief_that_promises_more_hits_than_the_server_serves_shrinks_and_recovers() {
+        let mut c = Calibration::default();
+        assert_eq!(c.capacity(900), 900);
+        // Too little evidence: nothing changes.
+        c.observe(100.0, 1000.0, 900.0, 1000.0);
+        assert_eq!(c.scale, 1.0);
+        // The server hits 20% where the router predicted 80%: the belief shrinks, by the
+        // square root of the ratio per interval, not below a quarter of the real size.
+        let mut scales = Vec::new();
+        for _ in 0..12 {
+            c.observe(2000.0, 10_000.0, 8000.0, 10_000.0);
+            scales.push(c.scale);
+        }
+        assert!(scales.windows(2).all(|w| w[1] <= w[0]), "{scales:?}");
+        assert_eq!(c.scale, MIN_CALIBRATION);
+        assert_eq!(c.capacity(900), 225);
+        // Agreement again: back up, never above the real capacity.
+        for _ in 0..40 {
+            c.observe(6000.0, 10_000.0, 6000.0, 10_000.0);
+        }
+        assert_eq!(c.scale, 1.0);
+        assert_eq!(c.capacity(900), 900);
+        // Agreement within 10% leaves a full-size belief alone; garbage is no evidence.
+        let mut ok = Calibration::default();
+        for _ in 0..10 {
+            ok.observe(5600.0, 10_000.0, 6000.0, 10_000.0);
+        }
+        assert_eq!(ok.scale, 1.0);
+        ok.observe(f64::NAN, 1.0, 1.0, 1.0);
+        ok.observe(-5.0, 1.0, 1.0, 1.0);
+        ok.observe(20.0, 10.0, 1.0, 1.0);
+        assert_eq!(ok.scale, 1.0);
     }
 
     #[test]

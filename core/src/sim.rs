@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::hashing::{hash_request, BlockHashes};
-use crate::latency::{Observation, RequestLedger, ServerQueue};
+use crate::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::request::{parse_value, RequestError};
 use crate::router::{Decision, EndpointLoad, Router, RouterConfig};
@@ -180,16 +180,27 @@ impl PartialOrd for Due {
     }
 }
 
+/// How often the simulated router reads the replicas' counters (the plugin's default scrape
+/// interval).
+pub const SCRAPE_INTERVAL_MS: f64 = 1000.0;
+
 /// A run in progress.
 pub struct Simulation {
     requests: Vec<SimRequest>,
     router: Router,
     replicas: Vec<ReplicaSim>,
+    cache_blocks: usize,
+    capacity_reported: bool,
     steps: Vec<Step>,
     /// The router's account of its requests, as the plugin keeps it in shared data.
     ledger: RequestLedger,
     /// First bytes the ledger refused as observations (absurd timings).
     refused_observations: u64,
+    /// Each replica's belief against its own counters, checked once per scrape interval,
+    /// with the counters and the ledger's totals at the last check.
+    calibration: Vec<Calibration>,
+    checked: Vec<(u64, u64, SentTokens)>,
+    next_check_ms: f64,
     due: BinaryHeap<Due>,
     seq: u64,
 }
@@ -217,8 +228,13 @@ impl Simulation {
         Ok(Simulation {
             requests,
             router,
+            cache_blocks: config.cache_blocks,
+            capacity_reported: config.capacity_reported,
             ledger: RequestLedger::new(n),
             refused_observations: 0,
+            calibration: vec![Calibration::default(); n],
+            checked: vec![(0, 0, SentTokens::default()); n],
+            next_check_ms: SCRAPE_INTERVAL_MS,
             due: BinaryHeap::new(),
             seq: 0,
             replicas: (0..config.replicas)
@@ -256,6 +272,40 @@ impl Simulation {
 
     pub fn refused_observations(&self) -> u64 {
         self.refused_observations
+    }
+
+    /// Each replica's calibration of the belief against its counters.
+    pub fn calibration(&self) -> &[Calibration] {
+        &self.calibration
+    }
+
+    /// Once per scrape interval, as the plugin does on each scrape: every replica's hit and
+    /// query counters since the last check against what the router predicted for what it sent
+    /// there; the belief's capacity follows the calibration.
+    fn calibrate(&mut self, now_ms: f64) {
+        if now_ms < self.next_check_ms || !self.capacity_reported {
+            return;
+        }
+        self.next_check_ms = now_ms + SCRAPE_INTERVAL_MS;
+        for e in 0..self.replicas.len() {
+            let cache = &self.replicas[e].cache;
+            let (hits, queries) = (cache.hit_tokens(), cache.query_tokens());
+            let sent = self.ledger.sent[e];
+            let (last_hits, last_queries, last_sent) = self.checked[e];
+            self.calibration[e].observe(
+                hits.saturating_sub(last_hits) as f64,
+                queries.saturating_sub(last_queries) as f64,
+                sent.predicted_cached
+                    .saturating_sub(last_sent.predicted_cached) as f64,
+                sent.prompt.saturating_sub(last_sent.prompt) as f64,
+            );
+            self.checked[e] = (hits, queries, sent);
+            let real = self
+                .cache_blocks
+                .min(self.router.config().index_capacity_blocks);
+            self.router
+                .set_capacity(e, self.calibration[e].capacity(real));
+        }
     }
 
     fn schedule(&mut self, at_ms: f64, signal: Signal) {
@@ -323,6 +373,7 @@ impl Simulation {
         let index = self.steps.len();
         let now_ms = self.requests.get(index)?.t * 1000.0;
         self.catch_up(now_ms);
+        self.calibrate(now_ms);
         let loads = self.loads(now_ms);
         let request = &self.requests[index];
         let decision = self.router.pick(&request.hashes, &loads);
@@ -345,7 +396,7 @@ impl Simulation {
         self.router.commit(&decision, &request.hashes);
         let (t, group) = (request.t, request.group.clone());
         let uncached = predicted.uncached_tokens as u64;
-        self.ledger.sent(endpoint, uncached);
+        self.ledger.sent(endpoint, &predicted);
         self.schedule(
             now_ms + served.ttft_ms,
             Signal::FirstByte {

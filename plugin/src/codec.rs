@@ -7,7 +7,7 @@
 //! Decoding never panics: truncated or corrupt bytes are `None` too.
 
 use prefixroute_core::latency::{
-    EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, LANE_MODELS,
+    Calibration, EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, SentTokens, LANE_MODELS,
 };
 use prefixroute_core::metrics::EngineMetrics;
 
@@ -83,22 +83,27 @@ impl<'a> Reader<'a> {
 /// its scrape lease and its last scrape. One key per endpoint means one `get` per endpoint per
 /// request gives the router the load, the health and the index clock together.
 ///
-/// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | fill u64 |
-/// capacity_tokens u64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 |
-/// metrics mask u8 | one f64 per set mask bit`. 53 to 109 bytes.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | window_start u64 |
+/// fill u64 | capacity_tokens u64 | calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 |
+/// last_cold u64 | metrics mask u8 | one f64 per set mask bit`. 69 to 125 bytes.
+#[derive(Debug, Clone, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
     /// A block is believed held while `clock − stamp < capacity` (see `store`).
     pub clock: u64,
-    /// Blocks recorded as new on the endpoint since its belief was last emptied (it
-    /// restarted); up to the capacity, the blocks it is believed to hold. Unlike the clock it
-    /// does not count the re-stamps of blocks already held.
+    /// The clock when the endpoint's belief was last emptied (it restarted).
+    pub window_start: u64,
+    /// Blocks recorded as new on the endpoint since then; up to the capacity, the blocks it is
+    /// believed to hold. Unlike the clock it does not count the re-stamps of blocks already
+    /// held.
     pub fill: u64,
     /// The cache the endpoint reports, `num_gpu_blocks × block_size` of
     /// `vllm:cache_config_info`, in tokens; 0 = never reported (the configured capacity
     /// applies). Kept across failed scrapes: a cache does not shrink when a scrape times out.
     pub capacity_tokens: u64,
+    /// The share of that capacity the belief keeps (core's `Calibration::scale`): below 1 when
+    /// the server's own hit rate fell short of what the belief predicted.
+    pub calibration: f64,
     /// Scrape lease: the root context that moves this forward (by CAS) owns the next scrape.
     pub next_scrape_ms: u64,
     /// When the last successful scrape finished (0 = never).
@@ -115,14 +120,34 @@ pub struct EndpointState {
 
 const FLAG_DOWN: u8 = 1;
 
+impl Default for EndpointState {
+    fn default() -> Self {
+        EndpointState {
+            clock: 0,
+            window_start: 0,
+            fill: 0,
+            capacity_tokens: 0,
+            calibration: 1.0,
+            next_scrape_ms: 0,
+            scraped_at_ms: 0,
+            last_cold: 0,
+            failures: 0,
+            down: false,
+            metrics: None,
+        }
+    }
+}
+
 impl EndpointState {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_layout();
         w.u8(if self.down { FLAG_DOWN } else { 0 });
         w.u16(self.failures);
         w.u64(self.clock);
+        w.u64(self.window_start);
         w.u64(self.fill);
         w.u64(self.capacity_tokens);
+        w.f64(self.calibration);
         w.u64(self.next_scrape_ms);
         w.u64(self.scraped_at_ms);
         w.u64(self.last_cold);
@@ -152,8 +177,10 @@ impl EndpointState {
         let flags = r.u8()?;
         let failures = r.u16()?;
         let clock = r.u64()?;
+        let window_start = r.u64()?;
         let fill = r.u64()?;
         let capacity_tokens = r.u64()?;
+        let calibration = r.f64()?;
         let next_scrape_ms = r.u64()?;
         let scraped_at_ms = r.u64()?;
         let last_cold = r.u64()?;
@@ -179,8 +206,10 @@ impl EndpointState {
         };
         Some(EndpointState {
             clock,
+            window_start,
             fill,
             capacity_tokens,
+            calibration,
             next_scrape_ms,
             scraped_at_ms,
             last_cold,
@@ -293,11 +322,14 @@ pub struct EndpointLedger {
     pub endpoint: u64,
     pub work: EndpointWork,
     pub rate: PrefillRate,
+    pub sent: SentTokens,
 }
 
 impl EndpointLedger {
     pub fn is_empty(&self) -> bool {
-        self.work == EndpointWork::default() && self.rate == PrefillRate::default()
+        self.work == EndpointWork::default()
+            && self.rate == PrefillRate::default()
+            && self.sent == SentTokens::default()
     }
 }
 
@@ -308,7 +340,8 @@ impl EndpointLedger {
 ///
 /// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
 /// growth 3 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
-/// prefill_tokens u64, busy_ms f64, work_tokens f64)`: 123 + 40 n bytes.
+/// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
+/// sent_predicted_cached u64)`: 123 + 56 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
@@ -320,7 +353,7 @@ pub struct InstanceRecord {
     pub endpoints: Vec<EndpointLedger>,
 }
 
-const LEDGER_BYTES: usize = 40;
+const LEDGER_BYTES: usize = 56;
 
 impl InstanceRecord {
     pub fn encode(&self) -> Vec<u8> {
@@ -344,6 +377,8 @@ impl InstanceRecord {
             w.u64(e.work.prefill_tokens);
             w.f64(e.rate.busy_ms);
             w.f64(e.rate.work_tokens);
+            w.u64(e.sent.prompt);
+            w.u64(e.sent.predicted_cached);
         }
         w.0
     }
@@ -383,6 +418,10 @@ impl InstanceRecord {
                     busy_ms: r.f64()?,
                     work_tokens: r.f64()?,
                 },
+                sent: SentTokens {
+                    prompt: r.u64()?,
+                    predicted_cached: r.u64()?,
+                },
             });
         }
         Some(InstanceRecord {
@@ -392,6 +431,54 @@ impl InstanceRecord {
             hold,
             growth,
             endpoints,
+        })
+    }
+}
+
+/// What one endpoint's calibration has seen, under `prefixroute/calibration/<ip:port>`:
+/// core's `Calibration` and the ledger totals (all workers) at the last scrape, whose growth
+/// is the next interval's prediction. Only the scraper (the lease holder) writes it.
+/// Layout: `layout u8 | scale f64 | served_hits f64 | served_queries f64 |
+/// predicted_hits f64 | predicted_queries f64 | sent_prompt u64 | sent_predicted_cached u64`:
+/// 57 bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CalibrationRecord {
+    pub calibration: Calibration,
+    pub sent: SentTokens,
+}
+
+impl CalibrationRecord {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        let c = &self.calibration;
+        for v in [
+            c.scale,
+            c.served_hits,
+            c.served_queries,
+            c.predicted_hits,
+            c.predicted_queries,
+        ] {
+            w.f64(v);
+        }
+        w.u64(self.sent.prompt);
+        w.u64(self.sent.predicted_cached);
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        Some(CalibrationRecord {
+            calibration: Calibration {
+                scale: r.f64()?,
+                served_hits: r.f64()?,
+                served_queries: r.f64()?,
+                predicted_hits: r.f64()?,
+                predicted_queries: r.f64()?,
+            },
+            sent: SentTokens {
+                prompt: r.u64()?,
+                predicted_cached: r.u64()?,
+            },
         })
     }
 }
@@ -479,8 +566,10 @@ mod tests {
     fn endpoint_state_round_trips_with_and_without_metrics() {
         let mut s = EndpointState {
             clock: u64::MAX - 1,
+            window_start: 12,
             fill: 77,
             capacity_tokens: 128 * 16,
+            calibration: 0.5,
             next_scrape_ms: 1_700_000_000_123,
             scraped_at_ms: 42,
             last_cold: 7,
@@ -488,10 +577,10 @@ mod tests {
             down: true,
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 53);
+        assert_eq!(s.encode().len(), 69);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 53 + 7 * 8);
+        assert_eq!(s.encode().len(), 69 + 7 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(EngineMetrics::default());
@@ -575,6 +664,26 @@ mod tests {
     }
 
     #[test]
+    fn calibration_record_round_trips() {
+        let rec = CalibrationRecord {
+            calibration: Calibration {
+                scale: 0.5,
+                served_hits: 1.0,
+                served_queries: 2.0,
+                predicted_hits: 3.0,
+                predicted_queries: 4.0,
+            },
+            sent: SentTokens {
+                prompt: 9,
+                predicted_cached: 8,
+            },
+        };
+        assert_eq!(rec.encode().len(), 57);
+        assert_eq!(CalibrationRecord::decode(&rec.encode()), Some(rec));
+        assert_eq!(CalibrationRecord::decode(&rec.encode()[..56]), None);
+    }
+
+    #[test]
     fn instance_record_and_registry_round_trip() {
         let mut lanes = LaneFit::default();
         lanes.excess[3] = 2.5;
@@ -603,6 +712,10 @@ mod tests {
                         busy_ms: 1.5,
                         work_tokens: 3000.0,
                     },
+                    sent: SentTokens {
+                        prompt: 12_000,
+                        predicted_cached: 9_000,
+                    },
                 },
                 EndpointLedger {
                     endpoint: u64::MAX,
@@ -614,7 +727,7 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 123 + 2 * 40);
+        assert_eq!(rec.encode().len(), 123 + 2 * 56);
         assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
         let reg = Registry {
             next_nonce: 5,

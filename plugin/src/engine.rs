@@ -7,16 +7,16 @@ use std::collections::BTreeMap;
 
 use prefixroute_core::config::PluginConfig;
 use prefixroute_core::hashing::{hash_request, HashConfig};
-use prefixroute_core::latency::{Observation, Prediction};
+use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
-use crate::codec::EndpointState;
+use crate::codec::{CalibrationRecord, EndpointState};
 use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
 use crate::settings::{instance_stale_ms, tick_ms};
-use crate::shared::{cas_update, endpoint_key, CasOutcome, SharedData};
+use crate::shared::{calibration_key, cas_update, endpoint_key, CasOutcome, SharedData};
 use crate::stats::{stat_token, Event, ScrapeEnd};
 use crate::store::{endpoint_id, SharedIndex, CAS_ATTEMPTS};
 
@@ -174,7 +174,7 @@ impl<H: SharedData> Engine<H> {
             self.publish_cold(endpoint);
         }
         let uncached = prediction.uncached_tokens as u64;
-        self.acquire(endpoint, uncached, now_ms);
+        self.acquire(endpoint, &prediction, now_ms);
         self.events.push(Event::Routed {
             policy: decision.policy,
             endpoint,
@@ -216,7 +216,8 @@ impl<H: SharedData> Engine<H> {
                     self.hash.block_size,
                     self.config.index_capacity_blocks,
                 );
-                self.router.set_capacity(e, capacity);
+                self.router
+                    .set_capacity(e, scaled_capacity(capacity, state.calibration));
                 let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
                 let mut load = estimate_load(metrics, pooled.work[e], state.down);
                 load.latency.ms_per_token = Some(learned.ms_per_token[e]);
@@ -270,7 +271,7 @@ impl<H: SharedData> Engine<H> {
             .map(|w| w.in_flight)
             .collect();
         let endpoint = fallback::choose(&down, &in_flight, &mut self.fallback_cursor);
-        self.acquire(endpoint, 0, now_ms);
+        self.acquire(endpoint, &Prediction::default(), now_ms);
         self.events.push(Event::Fallback { reason, endpoint });
         Choice {
             endpoint,
@@ -286,13 +287,9 @@ impl<H: SharedData> Engine<H> {
         }
     }
 
-    fn acquire(&mut self, endpoint: usize, uncached_tokens: u64, now_ms: u64) {
-        self.ledger.acquire(
-            self.router.store().host(),
-            endpoint,
-            uncached_tokens,
-            now_ms,
-        );
+    fn acquire(&mut self, endpoint: usize, prediction: &Prediction, now_ms: u64) {
+        self.ledger
+            .acquire(self.router.store().host(), endpoint, prediction, now_ms);
         self.drain_ledger_stats();
     }
 
@@ -462,6 +459,10 @@ impl<H: SharedData> Engine<H> {
             scrape::Observation::Unparseable => ScrapeEnd::Unparseable,
             scrape::Observation::Failed => ScrapeEnd::Failed,
         };
+        let calibration = match &observation {
+            scrape::Observation::Metrics(m) => self.calibrate(endpoint, m, now_ms),
+            _ => None,
+        };
         let (outcome, transition) = scrape::record(
             self.host(),
             &self.keys[endpoint],
@@ -469,6 +470,7 @@ impl<H: SharedData> Engine<H> {
             now_ms,
             self.config.scrape.failures_to_down,
             self.router.store().capacity(),
+            calibration,
         );
         self.events.push(Event::Scrape { endpoint, end });
         match outcome {
@@ -496,6 +498,64 @@ impl<H: SharedData> Engine<H> {
                 Some((endpoint, Transition::default()))
             }
         }
+    }
+
+    /// Checks `endpoint`'s belief against the counters of the scrape that just came back (see
+    /// core's `Calibration`): the server's hits and queries since its previous scrape, against
+    /// what every worker predicted for what it sent there since. Returns the new scale, or
+    /// `None` when there is nothing to compare (no counters, or no earlier scrape).
+    fn calibrate(
+        &mut self,
+        endpoint: usize,
+        now: &prefixroute_core::metrics::EngineMetrics,
+        now_ms: u64,
+    ) -> Option<f64> {
+        let before = scrape::read(self.host(), &self.keys[endpoint]).metrics;
+        let sent = self
+            .ledger
+            .totals(self.router.store().host(), now_ms)
+            .sent
+            .get(endpoint)
+            .copied()?;
+        let key = calibration_key(self.address(endpoint));
+        let mut scale = None;
+        let outcome = cas_update(
+            self.host(),
+            &key,
+            CAS_ATTEMPTS,
+            CalibrationRecord::decode,
+            CalibrationRecord::encode,
+            |current| {
+                let mut record = current.unwrap_or_default();
+                let served = before.as_ref().and_then(|b| {
+                    let hits = now.prefix_cache_hits_total? - b.prefix_cache_hits_total?;
+                    let queries = now.prefix_cache_queries_total? - b.prefix_cache_queries_total?;
+                    Some((hits, queries))
+                });
+                if let Some((hits, queries)) = served {
+                    // A worker that went away takes its totals with it: no evidence then.
+                    if sent.prompt >= record.sent.prompt
+                        && sent.predicted_cached >= record.sent.predicted_cached
+                    {
+                        record.calibration.observe(
+                            hits,
+                            queries,
+                            (sent.predicted_cached - record.sent.predicted_cached) as f64,
+                            (sent.prompt - record.sent.prompt) as f64,
+                        );
+                    }
+                }
+                record.sent = sent;
+                scale = served.map(|_| record.calibration.scale);
+                Some(record)
+            },
+        );
+        match outcome {
+            CasOutcome::Written(_) | CasOutcome::Unchanged => {}
+            CasOutcome::GaveUp => self.events.push(Event::CasGiveUps(1)),
+            CasOutcome::HostError(_) => self.events.push(Event::SharedDataErrors(1)),
+        }
+        scale
     }
 
     pub fn drain_events(&mut self) -> Vec<Event> {
@@ -770,7 +830,7 @@ mod tests {
             let d = self.router.pick(&hashes, &loads);
             let p = self.router.prediction_for(&d, &hashes, &loads[d.endpoint]);
             self.router.commit(&d, &hashes);
-            self.ledger.sent(d.endpoint, p.uncached_tokens as u64);
+            self.ledger.sent(d.endpoint, &p);
             (d.endpoint, p)
         }
     }
@@ -928,6 +988,62 @@ mod tests {
             e.router.store().room(1).capacity_blocks,
             e.config().index_capacity_blocks
         );
+    }
+
+    #[test]
+    fn a_server_that_hits_less_than_believed_shrinks_its_belief_until_they_agree() {
+        let host = MemShared::new();
+        let mut e = Engine::new(host.clone(), config(1, Policy::Latency));
+        let system = "word ".repeat(400); // ~100 blocks of 4 tokens
+                                          // The replica caches 100 blocks of 16 tokens = 400 of the router's blocks of 4.
+        let page = |hits: u64, queries: u64| {
+            Some(format!(
+                "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n\
+                 vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"100\"}} 1\n\
+                 vllm:prefix_cache_hits_total {hits}\nvllm:prefix_cache_queries_total {queries}\n"
+            ))
+        };
+        let (mut hits, mut queries) = (0u64, 0u64);
+        let mut now = 0;
+        tick_and_scrape(&mut e, now, &[page(hits, queries)]);
+        let mut capacity = Vec::new();
+        let mut run = |e: &mut Engine<MemShared>, now: &mut u64, served_share: f64| {
+            // Twenty warm requests per interval; the server reports what share it really hit.
+            let mut sent = 0;
+            for i in 0..20 {
+                let c = e.route(&chat(&system, &format!("q{i} at {now}")), *now + 10);
+                e.release(&c.ticket, *now + 20);
+                let Route::Routed { .. } = c.route else {
+                    panic!()
+                };
+                sent += c.ticket.prediction.unwrap().uncached_tokens
+                    + c.ticket.prediction.unwrap().cached_tokens;
+            }
+            queries += sent as u64;
+            hits += (sent as f64 * served_share) as u64;
+            *now += 1000;
+            tick_and_scrape(e, *now, &[page(hits, queries)]);
+            e.router.store().room(0).capacity_blocks
+        };
+        for _ in 0..8 {
+            capacity.push(run(&mut e, &mut now, 0.1));
+        }
+        assert_eq!(
+            capacity[0], 400,
+            "the first interval has no earlier counters to compare"
+        );
+        assert!(capacity.windows(2).all(|w| w[1] <= w[0]), "{capacity:?}");
+        assert_eq!(
+            *capacity.last().unwrap(),
+            100,
+            "a quarter of 400: {capacity:?}"
+        );
+        // The server serves what the belief predicts again: the belief grows back.
+        let mut recovered = 0;
+        for _ in 0..30 {
+            recovered = run(&mut e, &mut now, 0.97);
+        }
+        assert_eq!(recovered, 400);
     }
 
     #[test]

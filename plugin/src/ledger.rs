@@ -17,7 +17,8 @@
 //! instance learned goes with it; the others keep learning.)
 
 use prefixroute_core::latency::{
-    EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, Observation, RequestLedger,
+    EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, Observation, Prediction, RequestLedger,
+    SentTokens,
 };
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
@@ -37,16 +38,20 @@ pub struct LedgerStats {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Pooled {
     pub work: Vec<EndpointWork>,
+    pub sent: Vec<SentTokens>,
     pub learned: LearnedModel,
     pub growth: GroupGrowth,
 }
 
 impl Pooled {
-    fn add_work(&mut self, e: usize, work: &EndpointWork) {
+    fn add_work(&mut self, e: usize, work: &EndpointWork, sent: &SentTokens) {
         let w = &mut self.work[e];
         w.in_flight = w.in_flight.saturating_add(work.in_flight);
         w.prefilling = w.prefilling.saturating_add(work.prefilling);
         w.prefill_tokens = w.prefill_tokens.saturating_add(work.prefill_tokens);
+        let s = &mut self.sent[e];
+        s.prompt = s.prompt.saturating_add(sent.prompt);
+        s.predicted_cached = s.predicted_cached.saturating_add(sent.predicted_cached);
     }
 
     fn add_growth(&mut self, growth: &GroupGrowth) {
@@ -105,18 +110,19 @@ impl Ledger {
         std::mem::take(&mut self.stats)
     }
 
-    /// A request was steered to `endpoint`, predicted to prefill `uncached_tokens` there.
+    /// A request was steered to `endpoint` with the prediction made for it there (a
+    /// fallback: the default one, nothing cached, nothing to prefill that is known).
     pub fn acquire(
         &mut self,
         host: &impl SharedData,
         endpoint: usize,
-        uncached_tokens: u64,
+        prediction: &Prediction,
         now_ms: u64,
     ) {
         if endpoint >= self.ids.len() {
             return;
         }
-        self.own.sent(endpoint, uncached_tokens);
+        self.own.sent(endpoint, prediction);
         if self.me.is_none() {
             // Registering lazily keeps the main thread's root context (which ticks but never
             // sees a request) out of the registry.
@@ -183,6 +189,7 @@ impl Ledger {
         let n = self.ids.len();
         let mut pooled = Pooled {
             work: self.own.work.clone(),
+            sent: self.own.sent.clone(),
             learned: self.own.learned.clone(),
             growth: self.growth,
         };
@@ -208,7 +215,7 @@ impl Ledger {
                     .binary_search_by_key(&ledger.endpoint, |&(id, _)| id)
                 {
                     let e = self.by_id[pos].1;
-                    pooled.add_work(e, &ledger.work);
+                    pooled.add_work(e, &ledger.work, &ledger.sent);
                     theirs.rates[e] = ledger.rate;
                 }
             }
@@ -329,6 +336,7 @@ impl Ledger {
                     endpoint: self.ids[e],
                     work: self.own.work[e],
                     rate: self.own.learned.rates[e],
+                    sent: self.own.sent[e],
                 })
                 .filter(|l| !l.is_empty())
                 .collect(),
@@ -355,6 +363,13 @@ mod tests {
         Ledger::new(vec![11, 22, 33], STALE)
     }
 
+    fn work(uncached: u64) -> Prediction {
+        Prediction {
+            uncached_tokens: uncached as usize,
+            ..Prediction::default()
+        }
+    }
+
     fn in_flight(p: &Pooled) -> Vec<u32> {
         p.work.iter().map(|w| w.in_flight).collect()
     }
@@ -374,9 +389,9 @@ mod tests {
     fn counts_and_prefill_work_are_summed_across_instances() {
         let host = MemShared::new();
         let (mut a, mut b, mut main) = (instance(), instance(), instance());
-        a.acquire(&host, 0, 100, 0);
-        a.acquire(&host, 0, 50, 0);
-        b.acquire(&host, 2, 700, 0);
+        a.acquire(&host, 0, &work(100), 0);
+        a.acquire(&host, 0, &work(50), 0);
+        b.acquire(&host, 2, &work(700), 0);
         assert_ne!(a.slot(), b.slot());
         for i in [&mut a, &mut b, &mut main] {
             i.tick(&host, 100);
@@ -419,8 +434,8 @@ mod tests {
         let host = MemShared::new();
         let (mut a, mut b) = (instance(), instance());
         let config = LatencyConfig::default();
-        a.acquire(&host, 1, 500, 0);
-        b.acquire(&host, 1, 0, 0);
+        a.acquire(&host, 1, &work(500), 0);
+        b.acquire(&host, 1, &work(0), 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
         a.observe_growth(true, 6);
         a.release(&host, 1, None, None, 20);
@@ -438,7 +453,7 @@ mod tests {
         let mut a = instance();
         let config = LatencyConfig::default();
         for elapsed in [0.0, -5.0, f64::NAN, 1e12] {
-            a.acquire(&host, 0, 10, 0);
+            a.acquire(&host, 0, &work(10), 0);
             a.first_byte(&host, 0, 10, Some(observation(elapsed)), &config, 1);
         }
         let stats = a.take_stats();
@@ -450,9 +465,9 @@ mod tests {
     fn a_dead_instance_is_ignored_then_reaped_and_its_slot_reused() {
         let host = MemShared::new();
         let (mut a, mut dead) = (instance(), instance());
-        dead.acquire(&host, 1, 0, 0);
-        dead.acquire(&host, 1, 0, 0);
-        a.acquire(&host, 0, 0, 0);
+        dead.acquire(&host, 1, &work(0), 0);
+        dead.acquire(&host, 1, &work(0), 0);
+        a.acquire(&host, 0, &work(0), 0);
         a.tick(&host, 10);
         assert_eq!(in_flight(&a.totals(&host, 10)), vec![1, 2, 0]);
         let dead_slot = dead.slot();
@@ -469,7 +484,7 @@ mod tests {
         );
         assert_eq!(a.peers(), 0, "and reaped from the registry");
         let mut fresh = instance();
-        fresh.acquire(&host, 2, 0, now);
+        fresh.acquire(&host, 2, &work(0), now);
         assert_eq!(fresh.slot(), dead_slot, "slot reused: bounded keys");
         a.tick(&host, now + 1);
         assert_eq!(in_flight(&a.totals(&host, now + 1)), vec![1, 0, 1]);
@@ -479,8 +494,8 @@ mod tests {
     fn a_stalled_instance_that_was_reaped_rejoins_with_its_counts() {
         let host = MemShared::new();
         let (mut a, mut b) = (instance(), instance());
-        a.acquire(&host, 0, 0, 0);
-        b.acquire(&host, 1, 0, 0);
+        a.acquire(&host, 0, &work(0), 0);
+        b.acquire(&host, 1, &work(0), 0);
         // b stalls; a reaps it.
         a.tick(&host, STALE + 100);
         assert_eq!(a.peers(), 0);
@@ -497,16 +512,16 @@ mod tests {
         let mut a = instance();
         host.force_mismatches(2);
         // First registration creates the key (no CAS), so force a mismatch on a later one.
-        a.acquire(&host, 0, 0, 0);
+        a.acquire(&host, 0, &work(0), 0);
         let mut b = instance();
         host.force_mismatches(2);
-        b.acquire(&host, 0, 0, 0);
+        b.acquire(&host, 0, &work(0), 0);
         assert!(b.slot().is_some());
         assert_eq!(b.take_stats(), LedgerStats::default());
         // A peer configured with other endpoints: only the shared ids add up.
         let mut other = Ledger::new(vec![22, 99], STALE);
-        other.acquire(&host, 0, 0, 0);
-        other.acquire(&host, 1, 0, 0);
+        other.acquire(&host, 0, &work(0), 0);
+        other.acquire(&host, 1, &work(0), 0);
         a.tick(&host, 1);
         assert_eq!(in_flight(&a.totals(&host, 1)), vec![2, 1, 0]);
     }

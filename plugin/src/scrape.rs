@@ -144,6 +144,7 @@ pub fn apply(
     now_ms: u64,
     failures_to_down: u32,
     capacity: u64,
+    calibration: Option<f64>,
 ) -> Transition {
     let mut t = Transition::default();
     match observation {
@@ -170,13 +171,18 @@ pub fn apply(
             }
             if state.down || counter_reset {
                 state.clock = state.clock.saturating_add(capacity);
+                state.window_start = state.clock;
                 state.fill = 0;
+                state.calibration = 1.0;
                 t.forgot = true;
             }
             state.down = false;
             state.failures = 0;
             match observation {
                 Observation::Metrics(m) => {
+                    if let Some(scale) = calibration.filter(|s| s.is_finite()) {
+                        state.calibration = scale;
+                    }
                     match reported_capacity_tokens(m) {
                         Some(tokens) => state.capacity_tokens = tokens,
                         None => t.no_capacity = true,
@@ -211,6 +217,7 @@ pub fn record(
     now_ms: u64,
     failures_to_down: u32,
     capacity: u64,
+    calibration: Option<f64>,
 ) -> (CasOutcome<EndpointState>, Transition) {
     let mut transition = Transition::default();
     let outcome = cas_update(
@@ -221,7 +228,14 @@ pub fn record(
         EndpointState::encode,
         |current| {
             let mut state = current.unwrap_or_default();
-            transition = apply(&mut state, observation, now_ms, failures_to_down, capacity);
+            transition = apply(
+                &mut state,
+                observation,
+                now_ms,
+                failures_to_down,
+                capacity,
+                calibration,
+            );
             Some(state)
         },
     );
@@ -301,27 +315,31 @@ mod tests {
             no_capacity: true,
             ..Transition::default()
         };
-        assert_eq!(apply(&mut s, &ok, 10, 2, 1000), no_capacity);
+        assert_eq!(apply(&mut s, &ok, 10, 2, 1000, None), no_capacity);
         assert_eq!(s.scraped_at_ms, 10);
         assert_eq!(
-            apply(&mut s, &Observation::Failed, 20, 2, 1000),
+            apply(&mut s, &Observation::Failed, 20, 2, 1000, None),
             Transition::default()
         );
         assert!(!s.down);
         // One failure already makes the endpoint unmeasured: its old numbers are dropped.
         assert!(fresh_metrics(&s, 20, 5000).is_none());
-        let t = apply(&mut s, &Observation::Failed, 30, 2, 1000);
+        let t = apply(&mut s, &Observation::Failed, 30, 2, 1000, None);
         assert!(t.went_down && s.down);
         assert_eq!(
-            apply(&mut s, &Observation::Failed, 40, 2, 1000),
+            apply(&mut s, &Observation::Failed, 40, 2, 1000, None),
             Transition::default()
         );
         assert_eq!(s.failures, 3);
         assert!(fresh_metrics(&s, 40, 5000).is_none());
-        let t = apply(&mut s, &ok, 50, 2, 1000);
+        let t = apply(&mut s, &ok, 50, 2, 1000, None);
         assert!(t.came_up && t.forgot && !t.went_down);
         assert_eq!((s.down, s.failures, s.clock), (false, 0, 1050));
-        assert_eq!(s.fill, 0, "the belief starts empty");
+        assert_eq!(
+            (s.fill, s.window_start),
+            (0, 1050),
+            "the belief starts empty"
+        );
     }
 
     #[test]
@@ -330,9 +348,9 @@ mod tests {
         let page =
             format!("{PAGE}vllm:cache_config_info{{block_size=\"32\",num_gpu_blocks=\"100\"}} 1\n");
         let ok = observe(Some(200), page.as_bytes(), "vllm:", None);
-        assert_eq!(apply(&mut s, &ok, 10, 2, 1000), Transition::default());
+        assert_eq!(apply(&mut s, &ok, 10, 2, 1000, None), Transition::default());
         assert_eq!(s.capacity_tokens, 3200);
-        apply(&mut s, &Observation::Failed, 20, 2, 1000);
+        apply(&mut s, &Observation::Failed, 20, 2, 1000, None);
         assert_eq!(s.capacity_tokens, 3200, "a timeout does not shrink a cache");
         // 3200 tokens in the router's blocks of 16: 200; never above the configured window.
         assert_eq!(capacity_blocks(&s, 16, 31_250), 200);
@@ -364,11 +382,11 @@ mod tests {
             )
         };
         let mut s = EndpointState::default();
-        apply(&mut s, &page(500), 1, 2, 10);
-        assert!(!apply(&mut s, &page(600), 2, 2, 10).forgot);
-        assert!(apply(&mut s, &page(20), 3, 2, 10).forgot);
+        apply(&mut s, &page(500), 1, 2, 10, None);
+        assert!(!apply(&mut s, &page(600), 2, 2, 10, None).forgot);
+        assert!(apply(&mut s, &page(20), 3, 2, 10, None).forgot);
         assert_eq!(s.clock, 10);
-        apply(&mut s, &Observation::Unparseable, 4, 2, 10);
+        apply(&mut s, &Observation::Unparseable, 4, 2, 10, None);
         assert!(s.metrics.is_none() && !s.down);
         assert!(fresh_metrics(&s, 4, 5000).is_none());
     }
@@ -384,7 +402,7 @@ mod tests {
         host.set(key, &s.encode(), 0).unwrap();
         host.force_mismatches(1);
         let ok = observe(Some(200), PAGE.as_bytes(), "vllm:", None);
-        let (outcome, _) = record(&host, key, &ok, 5, 2, 1000);
+        let (outcome, _) = record(&host, key, &ok, 5, 2, 1000, None);
         let CasOutcome::Written(written) = outcome else {
             panic!("{outcome:?}")
         };

@@ -39,6 +39,11 @@ pub fn bucket_key(bits: u32, bucket: u64) -> String {
     format!("prefixroute/ix/{bits}/{bucket:x}")
 }
 
+/// Key of an endpoint's [`crate::codec::CalibrationRecord`].
+pub fn calibration_key(address: &str) -> String {
+    format!("prefixroute/calibration/{address}")
+}
+
 pub const REGISTRY_KEY: &str = "prefixroute/instances";
 
 /// Key of one instance's [`crate::codec::InstanceRecord`].

@@ -12,13 +12,12 @@
 //!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
 //!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
 //!   with one write.
-//! * The clock advances once per *new* block. A block `e` already holds is re-stamped only
-//!   when its age reaches `capacity / 4`, and then with the current clock value, without
-//!   advancing it: hot prefixes (the shared system prompt) cost reads only, and like an LRU's
-//!   touch, keeping them costs no room in the window. The window thus holds the last
-//!   `capacity` new blocks plus the blocks kept hot; a server's LRU of `capacity` blocks holds
-//!   a little less (the hot ones count against its capacity), so beyond capacity the belief
-//!   errs towards locality.
+//! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
+//!   prefixes (the shared system prompt) cost reads only. A re-stamp leaves a dead position
+//!   behind in the window (the block's old stamp), so the window is widened by the share of
+//!   re-stamps among all stamps since the belief was last emptied: `window = capacity ×
+//!   stamps / new blocks`. It then holds about `capacity` distinct blocks, as the server's LRU
+//!   does: a block not referenced while `capacity` others were ages out, hot or not.
 //!
 //! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
 //! core [`prefixroute_core::PrefixIndex`]'s answers; beyond that it is an approximate LRU (a
@@ -242,12 +241,25 @@ impl<H: SharedData> SharedIndex<H> {
         self.capacity
     }
 
-    /// The window of `endpoint`.
+    /// The capacity of `endpoint`'s belief, in blocks.
     pub fn endpoint_capacity(&self, endpoint: usize) -> u64 {
         self.capacities
             .get(endpoint)
             .copied()
             .unwrap_or(self.capacity)
+    }
+
+    /// The window of `endpoint`, in clock positions: its capacity widened by the positions
+    /// re-stamps left dead (see the module docs), at most four times the capacity.
+    fn window(&self, endpoint: usize) -> u64 {
+        let capacity = self.endpoint_capacity(endpoint);
+        let state = self.endpoint_state(endpoint);
+        let stamps = state.clock.saturating_sub(state.window_start);
+        if state.fill == 0 || stamps <= state.fill {
+            return capacity;
+        }
+        let widened = (capacity as u128 * stamps as u128 / state.fill as u128) as u64;
+        widened.clamp(capacity, capacity.saturating_mul(4))
     }
 
     /// Forget cached reads: call before each request so it sees other workers' writes.
@@ -419,7 +431,7 @@ impl<H: SharedData> SharedIndex<H> {
             Ok(pos) => {
                 let endpoint = self.by_id[pos].1;
                 let clock = self.clock(endpoint);
-                let capacity = self.endpoint_capacity(endpoint);
+                let capacity = self.window(endpoint);
                 let age = clock.saturating_sub(stamp);
                 if age >= capacity {
                     Freshness::Expired
@@ -430,20 +442,21 @@ impl<H: SharedData> SharedIndex<H> {
         }
     }
 
-    /// Advances `endpoint`'s clock by `n` stamps for as many new blocks, with a CAS (with
-    /// `restart`, its belief is emptied instead: it holds nothing); returns the new clock, or
-    /// `None` when the write failed (counted).
-    fn advance_clock(&self, endpoint: usize, n: u64, restart: bool) -> Option<u64> {
+    /// Advances `endpoint`'s clock by `n` stamps, `new` of them for blocks it did not hold,
+    /// with a CAS (with `restart`, its belief is emptied instead: it holds nothing); returns
+    /// the new clock, or `None` when the write failed (counted).
+    fn advance_clock(&self, endpoint: usize, n: u64, new: u64, restart: bool) -> Option<u64> {
         let key = self.state_keys.get(endpoint)?;
         for _ in 0..CAS_ATTEMPTS {
             let slot = self.load_state(endpoint)?;
             let mut next = slot.value;
             next.clock = next.clock.saturating_add(n);
-            next.fill = if restart {
-                0
+            if restart {
+                next.window_start = next.clock;
+                next.fill = 0;
             } else {
-                next.fill.saturating_add(n)
-            };
+                next.fill = next.fill.saturating_add(new);
+            }
             match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
                 Ok(()) => {
                     let clock = next.clock;
@@ -525,8 +538,8 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let Some(&id) = self.ids.get(endpoint) else {
             return 0;
         };
-        let capacity = self.endpoint_capacity(endpoint);
-        self.probe(id, self.clock(endpoint), capacity, chain).0
+        self.probe(id, self.clock(endpoint), self.window(endpoint), chain)
+            .0
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
@@ -534,9 +547,9 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         };
         let clock = self.clock(endpoint);
-        let capacity = self.endpoint_capacity(endpoint);
-        let refresh_after = (capacity / 4).max(1);
-        let (matched, probes) = self.probe(id, clock, capacity, chain);
+        let window = self.window(endpoint);
+        let refresh_after = (self.endpoint_capacity(endpoint) / 4).max(1);
+        let (matched, probes) = self.probe(id, clock, window, chain);
         let needs_stamp = |hash: u64| {
             self.stamp(hash, id)
                 .map_or(true, |s| clock.saturating_sub(s) >= refresh_after)
@@ -546,45 +559,31 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
         // records of a hot prefix). The unmatched tail always needs stamps.
         let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
-        let refreshed: Vec<usize> = if refresh_prefix {
-            (0..matched).filter(|&i| needs_stamp(chain[i])).collect()
-        } else {
-            Vec::new()
-        };
-        let new = chain.len().saturating_sub(matched) as u64;
-        if new == 0 && refreshed.is_empty() {
+        let stale: Vec<usize> = (0..chain.len())
+            .filter(|&i| i >= matched || (refresh_prefix && needs_stamp(chain[i])))
+            .collect();
+        if stale.is_empty() {
             return;
         }
-        // New blocks (the unmatched tail) take fresh stamps from the clock, the head newest, so
-        // that when the window slides a prompt's tail ages out before its shared head (as in
-        // core). Refreshed blocks of the matched prefix take the newest stamp without moving
-        // the clock: like an LRU's touch, keeping a hot prefix takes no extra room in the
-        // window, which then holds the last `capacity` new blocks plus what is kept hot.
-        let new_clock = if new > 0 {
-            match self.advance_clock(endpoint, new, false) {
-                Some(clock) => clock,
-                None => return,
-            }
-        } else {
-            clock
+        let n = stale.len() as u64;
+        let new = chain.len().saturating_sub(matched) as u64;
+        let Some(new_clock) = self.advance_clock(endpoint, n, new, false) else {
+            return;
         };
+        // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
+        // window slides the tail of a prompt ages out before its shared head (as in core).
         let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-        let mut add = |hash: u64, stamp: u64| {
+        for (k, &i) in stale.iter().enumerate() {
+            let hash = chain[i];
             by_bucket
                 .entry(self.bucket_of(hash))
                 .or_default()
                 .push(Update {
                     endpoint: id,
                     hash,
-                    stamp,
+                    stamp: new_clock - k as u64,
                     end: false,
                 });
-        };
-        for &i in &refreshed {
-            add(chain[i], new_clock);
-        }
-        for (k, &hash) in chain[matched..].iter().enumerate() {
-            add(hash, new_clock - k as u64);
         }
         for (bucket, updates) in by_bucket {
             self.queue_updates(bucket, updates);
@@ -593,7 +592,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 
     fn forget_endpoint(&mut self, endpoint: usize) {
         let capacity = self.endpoint_capacity(endpoint);
-        self.advance_clock(endpoint, capacity, true);
+        self.advance_clock(endpoint, capacity, 0, true);
     }
 
     fn set_capacity(&mut self, endpoint: usize, blocks: usize) {
@@ -644,9 +643,9 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
         // Held already (a request that repeats an earlier one exactly): mark it, unless it is.
         let clock = self.clock(endpoint);
-        let capacity = self.endpoint_capacity(endpoint);
+        let window = self.window(endpoint);
         match self.holder(hash, id) {
-            Some(h) if !h.end && held(clock, h.stamp, capacity) => self.queue_updates(
+            Some(h) if !h.end && held(clock, h.stamp, window) => self.queue_updates(
                 bucket,
                 vec![Update {
                     endpoint: id,
@@ -914,6 +913,63 @@ mod tests {
         assert_eq!(s.longest_match(0, &[1, 2, 3]), 2);
         assert_eq!(s.longest_match(0, &[10, 11]), 2);
         s.end_request();
+    }
+
+    #[test]
+    fn a_cyclic_working_set_larger_than_the_capacity_is_believed_as_an_lru_holds_it() {
+        // 24 conversations of 10 blocks, each re-sent in turn, growing a block per turn: 240+
+        // distinct blocks through a cache of 100. Re-stamps of the blocks a conversation
+        // re-sends must not make the window believe more than about 100 of them.
+        let host = MemShared::new();
+        let mut shared = SharedIndex::new(host, &addrs(1), 100);
+        let mut core = PrefixIndex::new(1, 100);
+        let mut chains: Vec<Vec<u64>> = (0..24u64)
+            .map(|c| (0..10).map(|b| c * 1000 + b).collect())
+            .collect();
+        for turn in 0..6u64 {
+            for (c, chain) in chains.iter_mut().enumerate() {
+                chain.push(c as u64 * 1000 + 10 + turn);
+                shared.begin_request();
+                shared.record(0, chain);
+                shared.end_request();
+                core.record(0, chain);
+            }
+        }
+        shared.begin_request();
+        let believed =
+            |store: &dyn Fn(&[u64]) -> usize| -> usize { chains.iter().map(|c| store(c)).sum() };
+        let in_shared = believed(&|c: &[u64]| shared.longest_match(0, c));
+        let in_core = believed(&|c: &[u64]| core.longest_match(0, c));
+        assert!(in_core <= 100, "{in_core}");
+        assert!(
+            in_shared <= 130 && in_shared + 30 >= in_core,
+            "shared index believes {in_shared} blocks, an LRU of 100 holds {in_core}"
+        );
+    }
+
+    #[test]
+    fn hot_prompts_that_fit_stay_believed_while_their_questions_churn() {
+        // Three tenants' 15-block prompts on one endpoint that caches 64 blocks, each request
+        // with a new 2-block question: an LRU keeps the three prompts (45 blocks) and evicts
+        // old questions. Re-stamping the prompts must not push them out of the belief.
+        let host = MemShared::new();
+        let mut shared = SharedIndex::new(host, &addrs(1), 64);
+        let mut core = PrefixIndex::new(1, 64);
+        let prompt = |t: u64| -> Vec<u64> { (0..15).map(|b| t * 1000 + b).collect() };
+        for i in 0..90u64 {
+            let t = i % 3;
+            let mut chain = prompt(t);
+            chain.extend([t * 1000 + 100 + 2 * i, t * 1000 + 101 + 2 * i]);
+            shared.begin_request();
+            shared.record(0, &chain);
+            shared.end_request();
+            core.record(0, &chain);
+        }
+        shared.begin_request();
+        for t in 0..3 {
+            assert_eq!(core.longest_match(0, &prompt(t)), 15);
+            assert_eq!(shared.longest_match(0, &prompt(t)), 15, "tenant {t}");
+        }
     }
 
     #[test]

@@ -338,7 +338,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
         let expected = core.pick(&hashes, &loads);
         let prediction = core.prediction_for(&expected, &hashes, &loads[expected.endpoint]);
         core.commit(&expected, &hashes);
-        ledger.sent(expected.endpoint, prediction.uncached_tokens as u64);
+        ledger.sent(expected.endpoint, &prediction);
 
         let x = vm.send(&Request::chat(body)).unwrap();
         let got = endpoint_of(&destination(&x));
