@@ -9,7 +9,7 @@
 # What it does, each step failing with a message that says what to fix:
 #   1. builds the prefixroute CLI and the plugin (prefixroute.wasm);
 #   2. creates the kind cluster (or reuses it) and installs the Gateway API and InferencePool
-#      CRDs (the same files the tests validate against: ../shared/crds, or PREFIXROUTE_CRDS_DIR);
+#      CRDs (the same files the tests validate against: kind/crds, or PREFIXROUTE_CRDS_DIR);
 #   3. installs the chosen data plane with Helm (Istio with the Inference Extension enabled, or
 #      Envoy Gateway with EnvoyPatchPolicy enabled);
 #   4. loads the images (the simulator, and a tiny HTTP server holding prefixroute.wasm);
@@ -33,7 +33,7 @@ context="kind-$cluster"
 ns=prefixroute
 istio_version=${ISTIO_VERSION:-1.28.0}
 eg_version=${ENVOY_GATEWAY_VERSION:-v1.6.0}
-crds=${PREFIXROUTE_CRDS_DIR:-$root/../shared/crds}
+crds=${PREFIXROUTE_CRDS_DIR:-$root/kind/crds}
 target=${CARGO_TARGET_DIR:-$root/target}
 local_port=${LOCAL_PORT:-18080}
 
@@ -63,7 +63,7 @@ need sha256sum "install coreutils (sha256sum)"
 docker info >/dev/null 2>&1 ||
     die "cannot reach a Docker engine: start dockerd (or Docker Desktop) and check that $(id -un) may use it"
 [[ -f $crds/inference.networking.k8s.io_inferencepools.yaml && -f $crds/gatewayapi-crds.yaml ]] ||
-    die "CRDs not found in $crds (clone shared/ beside the repo, or set PREFIXROUTE_CRDS_DIR)"
+    die "CRDs not found in $crds (they ship in kind/crds; PREFIXROUTE_CRDS_DIR overrides the directory)"
 
 k() { kubectl --context "$context" "$@"; }
 

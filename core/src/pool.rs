@@ -2,7 +2,7 @@
 //! endpoint resolution the way an endpoint picker does it.
 //!
 //! * [`validate`] checks one object against the CRD's `openAPIV3Schema` (vendored in
-//!   `pool/inferencepool.v1.schema.json`, kept equal to `shared/crds/` by a test) with the
+//!   `pool/inferencepool.v1.schema.json`, kept equal to `kind/crds/` by a test) with the
 //!   generic validator in [`schema`], plus the CRD's two CEL rules, and words every error as
 //!   the API server does.
 //! * [`resolve`] picks the Pods an endpoint picker would: same namespace, labels matching

@@ -1,8 +1,8 @@
 //! Test support for the offline checks of `kind/`: finding the CRDs, reading multi-document
 //! YAML, and validating any object whose CRD is known with core's structural validator.
 //!
-//! The CRDs live outside the repository, in `../shared/crds` relative to the repository root
-//! (CI clones the repository with `shared/` beside it); `PREFIXROUTE_CRDS_DIR` overrides that.
+//! The CRDs are vendored, unmodified, in `kind/crds` (see its README for their sources);
+//! `PREFIXROUTE_CRDS_DIR` points the tests at another set, e.g. to try a newer release.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,17 +20,17 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `$PREFIXROUTE_CRDS_DIR`, else `<repo>/../shared/crds`. Panics with a clear message when
-/// neither exists: these tests are meant to fail, not skip, without their reference data.
+/// `$PREFIXROUTE_CRDS_DIR`, else `<repo>/kind/crds`. Panics with a clear message when the
+/// CRDs are missing: these tests are meant to fail, not skip, without their reference data.
 pub fn crds_dir() -> PathBuf {
     let dir = match std::env::var_os("PREFIXROUTE_CRDS_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => repo_root().join("..").join("shared").join("crds"),
+        None => repo_root().join("kind").join("crds"),
     };
     assert!(
         dir.join("inference.networking.k8s.io_inferencepools.yaml")
             .is_file(),
-        "CRDs not found in {}: clone shared/ beside the repository or set PREFIXROUTE_CRDS_DIR",
+        "CRDs not found in {} (they ship in kind/crds; PREFIXROUTE_CRDS_DIR overrides the directory)",
         dir.display()
     );
     dir
@@ -148,9 +148,13 @@ pub fn check_custom_resource(crds: &Crds, object: &Value) -> Option<Checked> {
     })
 }
 
-/// Every YAML file under `kind/`, sorted.
+/// Every YAML file under `kind/`, sorted, except the vendored CRDs in `kind/crds`: those are
+/// the reference the manifests are checked against, not manifests of ours.
 pub fn kind_yaml_files() -> Vec<PathBuf> {
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        if dir == repo_root().join("kind").join("crds") {
+            return;
+        }
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
             .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
             .filter_map(|e| e.ok().map(|e| e.path()))

@@ -1,5 +1,5 @@
 //! The kind/ manifests, checked without a cluster: they parse, validate against the CRDs the
-//! data planes install (`../shared/crds`), agree with each other (pool, Service, routes,
+//! data planes install (`kind/crds`), agree with each other (pool, Service, routes,
 //! simulator, filter), and embed plugin configurations `PluginConfig` accepts.
 
 use std::collections::BTreeMap;
@@ -23,7 +23,7 @@ fn the_pool() -> Value {
     find("base", "InferencePool", "vllm-sim")
 }
 
-/// Checks of the Envoy Gateway kinds whose CRDs are not in shared/crds.
+/// Checks of the Envoy Gateway kinds whose CRDs are not in kind/crds.
 fn check_eg_policy(kind: &str, o: &Value) -> Vec<String> {
     let mut errs = Vec::new();
     let spec = &o["spec"];
