@@ -11,8 +11,10 @@ use prefixroute_core::latency::{
 };
 use prefixroute_core::metrics::EngineMetrics;
 
+use crate::window::{DeadStamps, EPOCHS};
+
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 2;
+pub const LAYOUT: u8 = 3;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -84,8 +86,9 @@ impl<'a> Reader<'a> {
 /// request gives the router the load, the health and the index clock together.
 ///
 /// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | window_start u64 |
-/// fill u64 | capacity_tokens u64 | calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 |
-/// last_cold u64 | metrics mask u8 | one f64 per set mask bit`. 69 to 125 bytes.
+/// fill u64 | dead shift u8 | dead mask u16 | one u16 per set mask bit | capacity_tokens u64 |
+/// calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 | metrics mask u8 |
+/// one f64 per set mask bit`. 72 to 160 bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
@@ -97,6 +100,8 @@ pub struct EndpointState {
     /// believed to hold. Unlike the clock it does not count the re-stamps of blocks already
     /// held.
     pub fill: u64,
+    /// Where re-stamps left dead clock positions: what widens the window (see `window`).
+    pub dead: DeadStamps,
     /// The cache the endpoint reports, `num_gpu_blocks × block_size` of
     /// `vllm:cache_config_info`, in tokens; 0 = never reported (the configured capacity
     /// applies). Kept across failed scrapes: a cache does not shrink when a scrape times out.
@@ -126,6 +131,7 @@ impl Default for EndpointState {
             clock: 0,
             window_start: 0,
             fill: 0,
+            dead: DeadStamps::default(),
             capacity_tokens: 0,
             calibration: 1.0,
             next_scrape_ms: 0,
@@ -146,6 +152,19 @@ impl EndpointState {
         w.u64(self.clock);
         w.u64(self.window_start);
         w.u64(self.fill);
+        w.u8(self.dead.shift);
+        // Most epochs have no dead positions: a mask of the ones that do, then their counts.
+        let mask = self
+            .dead
+            .counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c != 0)
+            .fold(0u16, |m, (i, _)| m | 1 << i);
+        w.u16(mask);
+        for &count in self.dead.counts.iter().filter(|&&c| c != 0) {
+            w.u16(count);
+        }
         w.u64(self.capacity_tokens);
         w.f64(self.calibration);
         w.u64(self.next_scrape_ms);
@@ -179,6 +198,16 @@ impl EndpointState {
         let clock = r.u64()?;
         let window_start = r.u64()?;
         let fill = r.u64()?;
+        let mut dead = DeadStamps {
+            shift: r.u8()?.min(62),
+            counts: [0; EPOCHS],
+        };
+        let dead_mask = r.u16()?;
+        for (i, count) in dead.counts.iter_mut().enumerate() {
+            if dead_mask & (1 << i) != 0 {
+                *count = r.u16()?;
+            }
+        }
         let capacity_tokens = r.u64()?;
         let calibration = r.f64()?;
         let next_scrape_ms = r.u64()?;
@@ -208,6 +237,7 @@ impl EndpointState {
             clock,
             window_start,
             fill,
+            dead,
             capacity_tokens,
             calibration,
             next_scrape_ms,
@@ -568,6 +598,7 @@ mod tests {
             clock: u64::MAX - 1,
             window_start: 12,
             fill: 77,
+            dead: DeadStamps::default(),
             capacity_tokens: 128 * 16,
             calibration: 0.5,
             next_scrape_ms: 1_700_000_000_123,
@@ -577,10 +608,19 @@ mod tests {
             down: true,
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 69);
+        assert_eq!(s.encode().len(), 72);
+        assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
+        s.dead.shift = 5;
+        s.dead.counts[3] = 9;
+        s.dead.counts[15] = u16::MAX;
+        assert_eq!(
+            s.encode().len(),
+            72 + 2 * 2,
+            "only the epochs with dead positions"
+        );
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 69 + 7 * 8);
+        assert_eq!(s.encode().len(), 72 + 2 * 2 + 7 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(EngineMetrics::default());

@@ -2,7 +2,7 @@
 //!
 //! The decision logic that is not proxy-wasm-specific lives in pure modules that build and
 //! test natively: [`codec`] (shared-data value layouts), [`shared`] (the CAS key-value
-//! abstraction), [`store`] (the prefix index in shared data), [`ledger`] (per-worker
+//! abstraction), [`store`] (the prefix index in shared data), [`window`] (how far its stamps reach), [`ledger`] (per-worker
 //! in-flight requests, prefill work and what was learned from first bytes), [`pbstruct`] (Struct configurations), [`scrape`] (scrape lease and results), [`fallback`], [`settings`],
 //! [`stats`] and [`engine`], which ties them together. The proxy-wasm contexts (`root`,
 //! `http`) and the raw host calls (`abi`, `host`) are compiled for wasm only.
@@ -19,6 +19,7 @@ pub mod settings;
 pub mod shared;
 pub mod stats;
 pub mod store;
+pub mod window;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

@@ -14,10 +14,10 @@
 //!   with one write.
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp leaves a dead position
-//!   behind in the window (the block's old stamp), so the window is widened by the share of
-//!   re-stamps among all stamps since the belief was last emptied: `window = capacity ×
-//!   stamps / new blocks`. It then holds about `capacity` distinct blocks, as the server's LRU
-//!   does: a block not referenced while `capacity` others were ages out, hot or not.
+//!   behind (the block's old stamp), so the window is `capacity` plus the dead positions
+//!   inside it, counted per epoch of the clock in the endpoint record (`window`). It then
+//!   holds about `capacity` distinct blocks, as the server's LRU does: a block not referenced
+//!   while `capacity` others were ages out, hot or not.
 //!
 //! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
 //! core [`prefixroute_core::PrefixIndex`]'s answers; beyond that it is an approximate LRU (a
@@ -35,6 +35,7 @@ use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
 use crate::shared::{bucket_key, endpoint_key, SetError, SharedData};
+use crate::window::DeadStamps;
 
 /// Entries per bucket. With the table sized for half load, a bucket overflows rarely
 /// (Poisson(4) > 8 ≈ 2%), and a bucket value stays ~200 bytes to copy.
@@ -249,17 +250,12 @@ impl<H: SharedData> SharedIndex<H> {
             .unwrap_or(self.capacity)
     }
 
-    /// The window of `endpoint`, in clock positions: its capacity widened by the positions
-    /// re-stamps left dead (see the module docs), at most four times the capacity.
+    /// The window of `endpoint`, in clock positions: its capacity widened by the dead
+    /// positions re-stamps left inside it (see `window`).
     fn window(&self, endpoint: usize) -> u64 {
         let capacity = self.endpoint_capacity(endpoint);
         let state = self.endpoint_state(endpoint);
-        let stamps = state.clock.saturating_sub(state.window_start);
-        if state.fill == 0 || stamps <= state.fill {
-            return capacity;
-        }
-        let widened = (capacity as u128 * stamps as u128 / state.fill as u128) as u64;
-        widened.clamp(capacity, capacity.saturating_mul(4))
+        state.dead.window(state.clock, state.window_start, capacity)
     }
 
     /// Forget cached reads: call before each request so it sees other workers' writes.
@@ -443,19 +439,36 @@ impl<H: SharedData> SharedIndex<H> {
     }
 
     /// Advances `endpoint`'s clock by `n` stamps, `new` of them for blocks it did not hold,
-    /// with a CAS (with `restart`, its belief is emptied instead: it holds nothing); returns
-    /// the new clock, or `None` when the write failed (counted).
-    fn advance_clock(&self, endpoint: usize, n: u64, new: u64, restart: bool) -> Option<u64> {
+    /// `dead` the stamps the others replace (their positions die), with a CAS (with `restart`,
+    /// its belief is emptied instead: it holds nothing); returns the new clock, or `None` when
+    /// the write failed (counted).
+    fn advance_clock(
+        &self,
+        endpoint: usize,
+        n: u64,
+        new: u64,
+        dead: &[u64],
+        restart: bool,
+    ) -> Option<u64> {
         let key = self.state_keys.get(endpoint)?;
+        let capacity = self.endpoint_capacity(endpoint);
         for _ in 0..CAS_ATTEMPTS {
             let slot = self.load_state(endpoint)?;
             let mut next = slot.value;
+            let from = next.clock;
             next.clock = next.clock.saturating_add(n);
             if restart {
                 next.window_start = next.clock;
                 next.fill = 0;
+                next.dead = DeadStamps::default();
+                next.dead.fit(capacity, next.clock);
             } else {
                 next.fill = next.fill.saturating_add(new);
+                next.dead.fit(capacity, from);
+                next.dead.advance(from, next.clock);
+                for &stamp in dead {
+                    next.dead.kill(stamp, next.clock);
+                }
             }
             match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
                 Ok(()) => {
@@ -567,7 +580,13 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
         let n = stale.len() as u64;
         let new = chain.len().saturating_sub(matched) as u64;
-        let Some(new_clock) = self.advance_clock(endpoint, n, new, false) else {
+        // The stamps these replace: positions that die inside the window and widen it.
+        let dead: Vec<u64> = stale
+            .iter()
+            .filter_map(|&i| self.stamp(chain[i], id))
+            .filter(|&s| held(clock, s, window))
+            .collect();
+        let Some(new_clock) = self.advance_clock(endpoint, n, new, &dead, false) else {
             return;
         };
         // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
@@ -592,7 +611,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 
     fn forget_endpoint(&mut self, endpoint: usize) {
         let capacity = self.endpoint_capacity(endpoint);
-        self.advance_clock(endpoint, capacity, 0, true);
+        self.advance_clock(endpoint, capacity, 0, &[], true);
     }
 
     fn set_capacity(&mut self, endpoint: usize, blocks: usize) {
@@ -944,6 +963,47 @@ mod tests {
         assert!(
             in_shared <= 130 && in_shared + 30 >= in_core,
             "shared index believes {in_shared} blocks, an LRU of 100 holds {in_core}"
+        );
+    }
+
+    #[test]
+    fn conversations_through_a_full_cache_are_not_believed_after_the_lru_evicted_them() {
+        // 16 conversations that share a 12-block system prompt, each turn adding 4 blocks,
+        // in a shuffled order, through an endpoint that caches 160 blocks: the LRU holds a
+        // few conversations. The shared prompt is re-stamped often, the histories rarely; their
+        // dead positions sit far back and must not make the belief outlive the server's cache.
+        let host = MemShared::new();
+        let mut shared = SharedIndex::new(host, &addrs(1), 160);
+        let mut core = PrefixIndex::new(1, 160);
+        let system: Vec<u64> = (0..12).collect();
+        let mut chains: Vec<Vec<u64>> = vec![system.clone(); 16];
+        let (mut over, mut under, mut matched, mut seed) = (0usize, 0usize, 0usize, 7u64);
+        for _ in 0..400 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let c = (seed >> 33) as usize % chains.len();
+            let chain = &mut chains[c];
+            let next = chain.len() as u64;
+            chain.extend((next..next + 4).map(|b| (c as u64 + 1) * 1_000_000 + b));
+            shared.begin_request();
+            let (believed, held) = (shared.longest_match(0, chain), core.longest_match(0, chain));
+            over += believed.saturating_sub(held);
+            under += held.saturating_sub(believed);
+            matched += held;
+            shared.record(0, chain);
+            shared.end_request();
+            core.record(0, chain);
+        }
+        assert!(matched > 0);
+        assert!(
+            over * 20 <= matched,
+            "believed {over} blocks the LRU no longer held, against {matched} it did"
+        );
+        // And the belief does not give up what the LRU still holds.
+        assert!(
+            under * 10 <= matched,
+            "missed {under} of {matched} held blocks"
         );
     }
 
