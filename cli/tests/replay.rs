@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use prefixroute_core::trace::{to_jsonl, TraceSpec};
+use prefixroute_sim::trace::{to_jsonl, TraceSpec};
 use serde_json::Value;
 use support::{temp, FakeServer, BIN};
 

@@ -9,7 +9,7 @@ use prefixroute_core::index::{PrefixIndex, PrefixStore};
 use prefixroute_core::request::parse_request;
 use prefixroute_core::router::{EndpointLoad, Router, RouterConfig};
 use prefixroute_core::tokenizer::tokenize;
-use prefixroute_core::trace::TraceSpec;
+use prefixroute_sim::trace::TraceSpec;
 
 /// A chat body whose system prompt is about `kib` KiB of text.
 fn body_of(kib: usize) -> Vec<u8> {
@@ -62,13 +62,13 @@ fn pick(c: &mut Criterion) {
     let mut group = c.benchmark_group("pick");
     for endpoints in [8, 64, 256] {
         let mut router = Router::new(RouterConfig::default(), endpoints);
-        let first = router.pick(&hashes, &[]);
+        let first = router.pick(&hashes, &[]).unwrap();
         router.commit(&first, &hashes);
         let loads: Vec<EndpointLoad> = (0..endpoints)
             .map(|i| EndpointLoad::measured((i % 7) as f64, (i % 10) as f64 / 10.0))
             .collect();
         group.bench_function(BenchmarkId::new("warm_8KiB", endpoints), |b| {
-            b.iter(|| router.pick(black_box(&hashes), black_box(&loads)))
+            b.iter(|| router.pick(black_box(&hashes), black_box(&loads)).unwrap())
         });
     }
     group.finish();

@@ -340,6 +340,10 @@ impl Default for ScrapeConfig {
     }
 }
 
+/// The header that carries the chosen `ip:port` to Envoy's `override_host` policy: the Gateway
+/// API Inference Extension's contract.
+pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
 /// The plugin's JSON configuration (the filter's `configuration` value).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -380,7 +384,7 @@ impl Default for PluginConfig {
             index_capacity_blocks: router.index_capacity_blocks,
             latency: router.latency,
             scrape: ScrapeConfig::default(),
-            destination_header: "x-gateway-destination-endpoint".into(),
+            destination_header: DEFAULT_DESTINATION_HEADER.into(),
             max_body_bytes: 4 << 20,
             metric_prefix: "vllm:".into(),
             model: None,

@@ -2,27 +2,25 @@
 //!
 //! Data flows through small steps, each its own module:
 //! body → prompt ([`request`]) → tokens ([`tokenizer`]) → block hashes ([`hashing`]) →
-//! index lookup ([`index`]) → scores ([`scorer`]) → pick → commit ([`router`]).
+//! index lookup ([`index`]) → predicted time to first token ([`latency`]) or scores
+//! ([`scorer`]) → pick → commit ([`router`]). [`metrics`] reads the servers' Prometheus pages,
+//! [`config`] the plugin's configuration.
 //!
 //! Everything here is pure and deterministic: no threads, files, clocks or sockets, so the
 //! same code runs natively, in the proxy-wasm plugin and in the browser. Randomness comes from
-//! a seed the caller passes; time comes from the caller as numbers.
+//! a seed the caller passes; time comes from the caller as numbers. The fleet around the
+//! router (replica model, simulator, traces) is `prefixroute-sim`; Kubernetes InferencePools are
+//! `prefixroute-pool`.
 
 pub mod config;
-pub mod disagg;
 pub mod hashing;
 pub mod index;
 pub mod latency;
 pub mod metrics;
-pub mod pool;
-pub mod replica;
 pub mod request;
 pub mod router;
 pub mod scorer;
-pub mod sim;
-pub mod stats;
 pub mod tokenizer;
-pub mod trace;
 
 pub use hashing::{BlockHashes, HashConfig};
 pub use index::{PrefixIndex, PrefixStore};

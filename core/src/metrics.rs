@@ -316,7 +316,7 @@ fn parse_sample(body: &str, line: usize) -> Result<Sample, MetricsError> {
 /// field is optional because servers differ by version and configuration (the prefix-cache
 /// counters only exist with prefix caching on), and the scorer must tell "zero" from "unknown".
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct EngineMetrics {
+pub struct ServerMetrics {
     pub num_requests_waiting: Option<f64>,
     pub num_requests_running: Option<f64>,
     /// A fraction in 0..=1, not a percentage, despite the name vLLM gives it.
@@ -351,7 +351,7 @@ impl Acc {
     }
 }
 
-/// Reduces a scrape to [`EngineMetrics`].
+/// Reduces a scrape to [`ServerMetrics`].
 ///
 /// A data-parallel vLLM server exposes one series per engine behind a single endpoint, so
 /// queue sizes and counters are summed (they measure the endpoint's total work), while the KV
@@ -363,7 +363,7 @@ impl Acc {
 /// Fallback names exist for older vLLM releases: `gpu_cache_usage_perc` before it was renamed
 /// to `kv_cache_usage_perc`, and counters exposed without the `_total` suffix. The newer name
 /// wins whenever it has any usable series.
-pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> EngineMetrics {
+pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> ServerMetrics {
     let mut waiting = Acc::default();
     let mut running = Acc::default();
     let mut kv_usage = Acc::default();
@@ -417,7 +417,7 @@ pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> En
         acc.add(sample.value);
     }
 
-    EngineMetrics {
+    ServerMetrics {
         num_requests_waiting: waiting.total(),
         num_requests_running: running.total(),
         kv_cache_usage_perc: kv_usage.mean().or_else(|| gpu_usage.mean()),
@@ -443,7 +443,7 @@ pub fn parse_vllm(
     text: &str,
     prefix: &str,
     model: Option<&str>,
-) -> Result<EngineMetrics, MetricsError> {
+) -> Result<ServerMetrics, MetricsError> {
     Ok(extract_vllm(&parse_text(text)?, prefix, model))
 }
 
@@ -551,7 +551,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
         let m = parse_vllm(VLLM_SCRAPE, DEFAULT_PREFIX, None).unwrap();
         assert_eq!(
             m,
-            EngineMetrics {
+            ServerMetrics {
                 num_requests_waiting: Some(3.0),
                 num_requests_running: Some(12.0),
                 kv_cache_usage_perc: Some(0.5),
@@ -599,7 +599,7 @@ vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"1000\"} 1
     fn missing_metrics_are_none_not_zero() {
         assert_eq!(
             parse_vllm("", DEFAULT_PREFIX, None).unwrap(),
-            EngineMetrics::default()
+            ServerMetrics::default()
         );
         let m = parse_vllm(
             "# only one metric\nvllm:num_requests_running 0\n",
@@ -609,9 +609,9 @@ vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"1000\"} 1
         .unwrap();
         assert_eq!(
             m,
-            EngineMetrics {
+            ServerMetrics {
                 num_requests_running: Some(0.0),
-                ..EngineMetrics::default()
+                ..ServerMetrics::default()
             }
         );
     }
@@ -730,7 +730,7 @@ vllm:cache_config_info{engine=\"1\",block_size=\"32\",num_gpu_blocks=\"50\"} 1
         let m = parse_vllm(VLLM_SCRAPE, DEFAULT_PREFIX, None).unwrap();
         let json = serde_json::to_string(&m).unwrap();
         assert!(json.contains("\"num_gpu_blocks\":53500"), "{json}");
-        let back: EngineMetrics = serde_json::from_str(&json).unwrap();
+        let back: ServerMetrics = serde_json::from_str(&json).unwrap();
         assert_eq!(back, m);
     }
 

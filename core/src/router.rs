@@ -8,6 +8,7 @@ use rand::Rng;
 use rand::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
+use thiserror::Error;
 
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore};
@@ -88,7 +89,7 @@ impl Decision {
     /// `prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`, or for
     /// `latency`, `latency -> replica-2: match 60/62 blocks, 40 uncached tokens, queue 0 ms,
     /// TTFT 45 ms, next replica-1 1005 ms`.
-    pub fn summary(&self, names: &[String]) -> String {
+    pub fn explain(&self, names: &[String]) -> String {
         let name = |i: usize| names.get(i).map_or_else(|| format!("#{i}"), Clone::clone);
         let mut line = format!(
             "{} -> {}: match {}/{} blocks",
@@ -222,6 +223,22 @@ pub fn eligibility(
     }
 }
 
+/// What the index believes of each endpoint for one request (see [`Router::believed_matches`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matches {
+    /// Per endpoint, the believed-held blocks of each of the request's chains.
+    pub blocks: Vec<Vec<usize>>,
+    /// Per endpoint, the request continues an earlier request there.
+    pub continues: Vec<bool>,
+}
+
+/// Why [`Router::pick`] could not choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum PickError {
+    #[error("no endpoints to route to")]
+    NoEndpoints,
+}
+
 /// Routes requests over a fixed list of endpoints (by index), remembering what it sent where.
 #[derive(Debug)]
 pub struct Router<S: PrefixStore = PrefixIndex> {
@@ -291,50 +308,36 @@ impl<S: PrefixStore> Router<S> {
     }
 
     /// Chooses an endpoint for a request. `loads` has one entry per endpoint; a missing entry
-    /// counts as unmeasured. Never fails: with no endpoints at all it returns endpoint 0 of an
-    /// empty decision, which callers guard against by configuration.
+    /// counts as unmeasured. A router over zero endpoints has nothing to choose from:
+    /// [`PickError::NoEndpoints`].
     ///
-    /// The steps: [`eligibility`] → scores (every scorer, or the latency prediction) → picker
-    /// (max score, exact ties by a seeded draw) → runner-up.
-    pub fn pick(&mut self, hashes: &BlockHashes, loads: &[EndpointLoad]) -> Decision {
+    /// The steps, each its own function: [`eligibility`] → [`Router::believed_matches`] →
+    /// [`Router::score`] (every scorer, or the latency prediction) → [`Router::choose`] (max
+    /// score, near-ties by a seeded draw) → [`runner_up`].
+    pub fn pick(
+        &mut self,
+        hashes: &BlockHashes,
+        loads: &[EndpointLoad],
+    ) -> Result<Decision, PickError> {
         let n = self.endpoints;
+        if n == 0 {
+            return Err(PickError::NoEndpoints);
+        }
         let loads: Vec<EndpointLoad> = (0..n)
             .map(|i| loads.get(i).copied().unwrap_or_default())
             .collect();
         let policy = self.config.policy;
         let filter = eligibility(policy, &loads, self.config.saturation);
-        let matched: Vec<Vec<usize>> = (0..n).map(|e| self.matched_per_chain(e, hashes)).collect();
-        let cold = !matched
-            .iter()
-            .zip(&filter.eligible)
-            .any(|(m, &ok)| ok && m.iter().any(|&b| b > 0));
-        let continues: Vec<bool> = (0..n)
-            .map(|e| {
-                hashes
-                    .chains
-                    .iter()
-                    .zip(&matched[e])
-                    .any(|(chain, &m)| self.store.continues(e, chain, m))
-            })
-            .collect();
-        let continuation = continues
-            .iter()
-            .zip(&filter.eligible)
-            .any(|(&c, &ok)| c && ok);
-        let mut scores = self.score(hashes, &matched, &continues, &loads, &filter, cold);
-        let (endpoint, tie) = match policy {
-            Policy::RoundRobin => (self.next_in_rotation(&filter.eligible), false),
-            Policy::Random => (self.random_eligible(&filter.eligible), false),
-            _ => self.max_score(&scores, &filter.eligible),
-        };
+        let matches = self.believed_matches(hashes);
+        let cold = !(0..n).any(|e| filter.eligible[e] && matches.blocks[e].iter().any(|&b| b > 0));
+        let continuation = (0..n).any(|e| filter.eligible[e] && matches.continues[e]);
+        let scores = self.score(hashes, &matches, &loads, &filter, cold);
+        let (endpoint, tie) = self.choose(&scores, &filter.eligible);
         let runner_up = match policy {
             Policy::RoundRobin | Policy::Random => None,
-            _ => best_other(&scores, &filter.eligible, endpoint),
+            _ => runner_up(&scores, &filter.eligible, endpoint),
         };
-        if n == 0 {
-            scores.clear();
-        }
-        Decision {
+        Ok(Decision {
             endpoint,
             policy,
             total_blocks: hashes.total_blocks(),
@@ -345,15 +348,46 @@ impl<S: PrefixStore> Router<S> {
             tie,
             all_down: filter.all_down,
             continuation,
+        })
+    }
+
+    /// What the index believes of each endpoint for this request: the blocks of each chain it
+    /// holds, and whether the request continues an earlier one there (see
+    /// [`PrefixStore::continues`]).
+    pub fn believed_matches(&self, hashes: &BlockHashes) -> Matches {
+        let blocks: Vec<Vec<usize>> = (0..self.endpoints)
+            .map(|e| self.matched_per_chain(e, hashes))
+            .collect();
+        let continues = blocks
+            .iter()
+            .enumerate()
+            .map(|(e, matched)| {
+                hashes
+                    .chains
+                    .iter()
+                    .zip(matched)
+                    .any(|(chain, &m)| self.store.continues(e, chain, m))
+            })
+            .collect();
+        Matches { blocks, continues }
+    }
+
+    /// The picker: the next endpoint in rotation, a random one, or the best score (see
+    /// `max_score`), among the eligible ones. Returns the endpoint and whether it was
+    /// drawn among ties.
+    pub fn choose(&mut self, scores: &[EndpointScores], eligible: &[bool]) -> (usize, bool) {
+        match self.config.policy {
+            Policy::RoundRobin => (self.next_in_rotation(eligible), false),
+            Policy::Random => (self.random_eligible(eligible), false),
+            _ => self.max_score(scores, eligible),
         }
     }
 
     /// Every scorer's output per endpoint and the policy's total.
-    fn score(
+    pub fn score(
         &self,
         hashes: &BlockHashes,
-        matched: &[Vec<usize>],
-        continues: &[bool],
+        matches: &Matches,
         loads: &[EndpointLoad],
         filter: &Eligibility,
         cold: bool,
@@ -368,7 +402,7 @@ impl<S: PrefixStore> Router<S> {
         let future_blocks = self.growth.future_blocks();
         (0..loads.len())
             .map(|i| {
-                let matched_blocks: usize = matched[i].iter().sum();
+                let matched_blocks: usize = matches.blocks[i].iter().sum();
                 let matched_tokens = (matched_blocks * block_size).min(total_tokens);
                 let prefix = prefix_score(
                     matched_blocks,
@@ -380,10 +414,10 @@ impl<S: PrefixStore> Router<S> {
                 let prediction = (self.config.policy == Policy::Latency).then(|| {
                     predict(
                         hashes,
-                        &matched[i],
+                        &matches.blocks[i],
                         room,
                         Footprint {
-                            continues: continues[i],
+                            continues: matches.continues[i],
                             future_blocks,
                         },
                         &loads[i].latency,
@@ -413,7 +447,7 @@ impl<S: PrefixStore> Router<S> {
                     saturated: filter.saturated[i],
                     prediction,
                     room,
-                    continues: continues[i],
+                    continues: matches.continues[i],
                 }
             })
             .collect()
@@ -588,7 +622,8 @@ pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
     rng.gen_range(0..n as u64) as usize
 }
 
-fn best_other(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
+/// The best eligible endpoint other than `chosen`, by the policy's score (first on ties).
+pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
     (0..scores.len())
         .filter(|&i| i != chosen && eligible[i])
         .fold(None, |best: Option<usize>, i| match best {
@@ -632,11 +667,11 @@ mod tests {
     fn pick_does_not_change_belief_until_commit() {
         let mut r = router(Policy::Prefix, 3);
         let h = hashes("one two three four");
-        let first = r.pick(&h, &idle(3));
+        let first = r.pick(&h, &idle(3)).unwrap();
         assert!(first.cold);
         assert_eq!(r.matched_blocks(&h), vec![0, 0, 0]);
         r.commit(&first, &h);
-        let second = r.pick(&h, &idle(3));
+        let second = r.pick(&h, &idle(3)).unwrap();
         assert_eq!(second.endpoint, first.endpoint);
         assert_eq!(second.matched_blocks(), 2);
         assert!(!second.cold);
@@ -651,7 +686,7 @@ mod tests {
         // Five tokens in blocks of two: two full blocks and a partial one.
         let h = hashes("one two three four five");
         assert_eq!(h.total_blocks(), 3);
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         r.commit(&d, &h);
         assert_eq!(r.matched_blocks(&h)[d.endpoint], 2);
         assert_eq!(r.store().room(d.endpoint).believed_blocks, 2);
@@ -661,7 +696,7 @@ mod tests {
         assert!(r.store().continues(d.endpoint, &next.chains[0], m[0]));
         // A prompt shorter than a block leaves nothing to believe.
         let tiny = hashes("x");
-        let t = r.pick(&tiny, &idle(2));
+        let t = r.pick(&tiny, &idle(2)).unwrap();
         r.commit(&t, &tiny);
         assert_eq!(r.matched_blocks(&tiny), vec![0, 0]);
     }
@@ -670,7 +705,7 @@ mod tests {
     fn prefix_policy_trades_locality_against_queue() {
         let mut r = router(Policy::Prefix, 2);
         let h = hashes("alpha beta gamma delta");
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         r.commit(&d, &h);
         let holder = d.endpoint;
         let other = 1 - holder;
@@ -678,10 +713,10 @@ mod tests {
         let mut loads = idle(2);
         loads[holder].queue = Some(1.0);
         loads[other].queue = Some(0.0);
-        assert_eq!(r.pick(&h, &loads).endpoint, holder);
+        assert_eq!(r.pick(&h, &loads).unwrap().endpoint, holder);
         // ...but the holder also busy on kv-cache does: 3 + 0 + 0.6 + 0.5 < 0 + 2 + 2 + 0.5.
         loads[holder].kv_usage = Some(0.7);
-        let spilled = r.pick(&h, &loads);
+        let spilled = r.pick(&h, &loads).unwrap();
         assert_eq!(spilled.endpoint, other);
         assert_eq!(spilled.runner_up, Some(holder));
     }
@@ -692,7 +727,7 @@ mod tests {
         let mut seen = Vec::new();
         for text in ["a a a", "b b b", "c c c"] {
             let h = hashes(text);
-            let d = r.pick(&h, &idle(3));
+            let d = r.pick(&h, &idle(3)).unwrap();
             r.commit(&d, &h);
             seen.push(d.endpoint);
         }
@@ -712,7 +747,11 @@ mod tests {
                 4,
             );
             (0..32)
-                .map(|i| r.pick(&hashes(&format!("p{i}")), &idle(4)).endpoint)
+                .map(|i| {
+                    r.pick(&hashes(&format!("p{i}")), &idle(4))
+                        .unwrap()
+                        .endpoint
+                })
                 .collect::<Vec<_>>()
         };
         assert_eq!(picks(1), picks(1));
@@ -724,7 +763,7 @@ mod tests {
     #[test]
     fn shared_cold_history_steers_the_next_cold_pick() {
         let mut a = router(Policy::Prefix, 3);
-        let d = a.pick(&hashes("first tenant"), &idle(3));
+        let d = a.pick(&hashes("first tenant"), &idle(3)).unwrap();
         a.commit(&d, &hashes("first tenant"));
         assert_eq!(a.last_cold()[d.endpoint], Some(1));
         // A second router (another worker) that learns the first one's history avoids the
@@ -732,7 +771,7 @@ mod tests {
         let mut b = router(Policy::Prefix, 3);
         b.set_last_cold(a.last_cold());
         let h = hashes("second tenant");
-        let (da, db) = (a.pick(&h, &idle(3)), b.pick(&h, &idle(3)));
+        let (da, db) = (a.pick(&h, &idle(3)).unwrap(), b.pick(&h, &idle(3)).unwrap());
         let totals = |d: &Decision| d.scores.iter().map(|s| s.total).collect::<Vec<_>>();
         assert_eq!(totals(&db), totals(&da));
         assert_ne!(db.endpoint, d.endpoint);
@@ -752,7 +791,9 @@ mod tests {
         let h = hashes("x");
         let mut loads = idle(3);
         loads[1].down = true;
-        let order: Vec<usize> = (0..4).map(|_| r.pick(&h, &loads).endpoint).collect();
+        let order: Vec<usize> = (0..4)
+            .map(|_| r.pick(&h, &loads).unwrap().endpoint)
+            .collect();
         assert_eq!(order, vec![0, 2, 0, 2]);
     }
 
@@ -764,7 +805,7 @@ mod tests {
             EndpointLoad::measured(1.0, 0.0),
             EndpointLoad::default(),
         ];
-        let d = r.pick(&hashes("x"), &loads);
+        let d = r.pick(&hashes("x"), &loads).unwrap();
         assert_eq!(d.endpoint, 1);
         assert_eq!(d.runner_up, Some(0));
     }
@@ -773,15 +814,15 @@ mod tests {
     fn down_endpoints_are_skipped_unless_all_are_down() {
         let mut r = router(Policy::Prefix, 2);
         let h = hashes("q r s");
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         r.commit(&d, &h);
         let mut loads = idle(2);
         loads[d.endpoint].down = true;
-        let moved = r.pick(&h, &loads);
+        let moved = r.pick(&h, &loads).unwrap();
         assert_eq!(moved.endpoint, 1 - d.endpoint);
         assert!(moved.scores[d.endpoint].excluded);
         loads[1 - d.endpoint].down = true;
-        let all = r.pick(&h, &loads);
+        let all = r.pick(&h, &loads).unwrap();
         assert!(all.all_down);
         assert_eq!(
             all.endpoint, d.endpoint,
@@ -793,43 +834,43 @@ mod tests {
     fn saturated_holder_is_filtered_while_another_endpoint_has_room() {
         let mut r = router(Policy::Prefix, 2);
         let h = hashes("long shared system prompt text");
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         r.commit(&d, &h);
         let holder = d.endpoint;
         let mut loads = idle(2);
         loads[holder].queue = Some(5.0);
-        let spilled = r.pick(&h, &loads);
+        let spilled = r.pick(&h, &loads).unwrap();
         assert_eq!(spilled.endpoint, 1 - holder);
         assert!(spilled.scores[holder].saturated && spilled.scores[holder].excluded);
         // Both saturated: nothing is filtered and the prefix holder wins on score.
         loads[1 - holder].kv_usage = Some(0.9);
-        assert_eq!(r.pick(&h, &loads).endpoint, holder);
+        assert_eq!(r.pick(&h, &loads).unwrap().endpoint, holder);
         // prefix-only ignores load entirely.
         let mut only = router(Policy::PrefixOnly, 2);
         only.commit(&d, &h);
         loads[1 - holder].kv_usage = Some(0.0);
-        assert_eq!(only.pick(&h, &loads).endpoint, holder);
+        assert_eq!(only.pick(&h, &loads).unwrap().endpoint, holder);
     }
 
     #[test]
     fn unmeasured_endpoints_lose_load_scores() {
         let mut r = router(Policy::Prefix, 2);
         let loads = [EndpointLoad::default(), EndpointLoad::measured(3.0, 0.5)];
-        let d = r.pick(&hashes("cold"), &loads);
+        let d = r.pick(&hashes("cold"), &loads).unwrap();
         assert_eq!(d.endpoint, 1);
         assert_eq!(d.scores[0].queue, 0.0);
         assert_eq!(d.scores[0].kv_cache, 0.0);
     }
 
     #[test]
-    fn summary_names_winner_and_runner_up() {
+    fn the_explanation_names_winner_and_runner_up() {
         let mut r = router(Policy::Prefix, 2);
         let h = hashes("aa bb cc dd");
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         r.commit(&d, &h);
-        let d = r.pick(&h, &idle(2));
+        let d = r.pick(&h, &idle(2)).unwrap();
         let names = vec!["replica-0".to_string(), "replica-1".to_string()];
-        let line = d.summary(&names);
+        let line = d.explain(&names);
         assert!(
             line.starts_with(&format!(
                 "prefix -> {}: match 2/2 blocks, score 7.50, next ",
@@ -837,5 +878,53 @@ mod tests {
             )),
             "{line}"
         );
+    }
+
+    #[test]
+    fn a_pick_over_no_endpoints_is_an_error_not_endpoint_zero() {
+        let mut r = router(Policy::Latency, 0);
+        assert_eq!(r.pick(&hashes("a b"), &[]), Err(PickError::NoEndpoints));
+        assert_eq!(
+            PickError::NoEndpoints.to_string(),
+            "no endpoints to route to"
+        );
+    }
+
+    #[test]
+    fn believed_matches_count_held_blocks_and_continuations_per_endpoint() {
+        let mut r = router(Policy::PrefixOnly, 2);
+        // A token owns its trailing whitespace: the first turn ends in one, so its four tokens
+        // begin the next turn.
+        let first = hashes("aa bb cc dd ");
+        let d = r.pick(&first, &idle(2)).unwrap();
+        r.commit(&d, &first);
+        let next = hashes("aa bb cc dd ee ff");
+        let m = r.believed_matches(&next);
+        let other = 1 - d.endpoint;
+        assert_eq!(m.blocks[d.endpoint], [2], "two full blocks of two tokens");
+        assert_eq!(m.blocks[other], [0]);
+        assert!(
+            m.continues[d.endpoint],
+            "the next turn continues where the first ended"
+        );
+        assert!(!m.continues[other]);
+    }
+
+    #[test]
+    fn the_picker_skips_ineligible_endpoints_and_the_runner_up_is_the_best_other() {
+        let mut r = router(Policy::LeastQueue, 3);
+        let loads = [
+            EndpointLoad::measured(0.0, 0.0),
+            EndpointLoad::measured(5.0, 0.0),
+            EndpointLoad::measured(1.0, 0.0),
+        ];
+        let h = hashes("x");
+        let matches = r.believed_matches(&h);
+        let filter = eligibility(Policy::LeastQueue, &loads, SaturationFilter::default());
+        let scores = r.score(&h, &matches, &loads, &filter, true);
+        assert_eq!(r.choose(&scores, &[true, true, true]), (0, false));
+        assert_eq!(r.choose(&scores, &[false, true, true]), (2, false));
+        assert_eq!(runner_up(&scores, &[true, true, true], 0), Some(2));
+        assert_eq!(runner_up(&scores, &[true, false, false], 0), None);
     }
 }

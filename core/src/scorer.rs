@@ -43,7 +43,7 @@ impl EndpointLoad {
 /// The latency inputs get the work and the scraped queue; the caller adds the endpoint's
 /// learned prefill model.
 pub fn estimate_load(
-    metrics: Option<&crate::metrics::EngineMetrics>,
+    metrics: Option<&crate::metrics::ServerMetrics>,
     work: EndpointWork,
     down: bool,
 ) -> EndpointLoad {
@@ -195,12 +195,12 @@ mod tests {
 
     #[test]
     fn load_estimate_combines_scrape_and_in_flight() {
-        use crate::metrics::EngineMetrics;
-        let m = EngineMetrics {
+        use crate::metrics::ServerMetrics;
+        let m = ServerMetrics {
             num_requests_waiting: Some(2.0),
             num_requests_running: Some(4.0),
             kv_cache_usage_perc: Some(0.5),
-            ..EngineMetrics::default()
+            ..ServerMetrics::default()
         };
         let work = |in_flight| EndpointWork {
             in_flight,

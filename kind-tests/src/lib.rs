@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use prefixroute_core::pool;
-use prefixroute_core::pool::schema::{self, FieldError, NoCel, UnknownRules};
+use prefixroute_pool as pool;
+use prefixroute_pool::schema::{self, FieldError, NoCel, UnknownRules};
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::process::Command;
 
 use prefixroute_core::config::PluginConfig;
-use prefixroute_core::pool::{self, regex::Regex, schema};
 use prefixroute_kind_tests::*;
+use prefixroute_pool::{self as pool, schema};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -242,7 +242,7 @@ fn every_pattern_in_the_crds_compiles() {
     let mut count = 0;
     for ((api_version, kind), crd) in &crds.versions {
         for p in schema::patterns(&crd.schema) {
-            Regex::new(&p).unwrap_or_else(|e| panic!("{api_version} {kind}: {e}"));
+            schema::pattern(&p).unwrap_or_else(|e| panic!("{api_version} {kind}: {e}"));
             count += 1;
         }
     }
@@ -458,7 +458,7 @@ fn the_filter_may_pause_for_the_body_in_both_variants() {
             .and_then(|(_, rest)| rest.split_once("')"))
             .map(|(re, _)| re)
             .expect("a match() filter on the filter name");
-        let re = Regex::new(&format!("^{inner}$")).unwrap();
+        let re = schema::pattern(&format!("^{inner}$")).unwrap();
         assert!(
             re.is_match(&generated),
             "{inner} does not select {generated}"

@@ -1,15 +1,16 @@
-//! core's small pattern engine against the `regex` crate (RE2 semantics, like Go's regexp that
-//! the API server uses) on every `pattern` of the CRDs, over random ASCII strings.
+//! The validator's compiled patterns (`regex-lite`) against the `regex` crate (RE2 semantics,
+//! like Go's regexp that the API server uses) on every `pattern` of the CRDs, over random ASCII
+//! strings.
 
-use prefixroute_core::pool::{regex::Regex, schema};
 use prefixroute_kind_tests::{crds_dir, Crds};
-use std::sync::OnceLock;
+use prefixroute_pool::schema::{self, Regex};
+use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
 
 /// Every pattern of the CRDs, compiled by both engines (loaded once: the CRDs are large).
-fn all_patterns() -> &'static [(String, Regex, regex::Regex)] {
-    static PATTERNS: OnceLock<Vec<(String, Regex, regex::Regex)>> = OnceLock::new();
+fn all_patterns() -> &'static [(String, Arc<Regex>, regex::Regex)] {
+    static PATTERNS: OnceLock<Vec<(String, Arc<Regex>, regex::Regex)>> = OnceLock::new();
     PATTERNS.get_or_init(|| {
         let crds = Crds::load(&crds_dir());
         let mut all: Vec<String> = crds
@@ -21,7 +22,7 @@ fn all_patterns() -> &'static [(String, Regex, regex::Regex)] {
         all.dedup();
         all.into_iter()
             .map(|p| {
-                let ours = Regex::new(&p).unwrap();
+                let ours = schema::pattern(&p).unwrap();
                 let reference = regex::Regex::new(&p).unwrap();
                 (p, ours, reference)
             })

@@ -15,9 +15,9 @@ use std::collections::HashMap;
 
 use prefixroute_core::config::Policy;
 use prefixroute_core::index::PrefixStore;
-use prefixroute_core::sim::{replica_names, SimConfig, Simulation, Step};
-use prefixroute_core::stats::{max_over_mean, natural_key};
-use prefixroute_core::trace::{to_jsonl, TraceRecord, TraceShape, TraceSpec};
+use prefixroute_sim::simulation::{replica_names, SimConfig, Simulation, Step};
+use prefixroute_sim::summary::{max_over_mean, natural_key};
+use prefixroute_sim::trace::{to_jsonl, TraceRecord, TraceShape, TraceSpec};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use wasm_bindgen::prelude::*;
@@ -397,7 +397,7 @@ impl Demo {
         let report = self.sim.report();
         json!({
             "step": step,
-            "summary": step.summary(&self.names),
+            "explanation": step.explain(&self.names),
             "request": request,
             "queue_seen": seen.iter().map(|l| l.waiting).collect::<Vec<_>>(),
             "replicas": self.replicas_view(),
@@ -574,7 +574,7 @@ impl WebDemo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prefixroute_core::sim::simulate;
+    use prefixroute_sim::simulation::simulate;
 
     fn demo(policy: Policy) -> Demo {
         let mut sim = SimConfig::default();
@@ -635,12 +635,17 @@ mod tests {
                 .len(),
             3
         );
-        assert!(first["summary"].as_str().unwrap().starts_with("#0 tenant-"));
+        assert!(first["explanation"]
+            .as_str()
+            .unwrap()
+            .starts_with("#0 tenant-"));
         while d.step().is_some() {}
         assert!(d.is_done());
-        let report: prefixroute_core::sim::SimReport = serde_json::from_value(d.report()).unwrap();
+        let report: prefixroute_sim::simulation::SimReport =
+            serde_json::from_value(d.report()).unwrap();
         assert_eq!(d.hit_rate(), report.hit_rate);
-        let report: prefixroute_core::sim::SimReport = serde_json::from_value(d.report()).unwrap();
+        let report: prefixroute_sim::simulation::SimReport =
+            serde_json::from_value(d.report()).unwrap();
         assert_eq!(
             report,
             simulate(d.trace(), *d.config()).unwrap(),
@@ -835,7 +840,7 @@ mod tests {
     #[test]
     fn trace_jsonl_round_trips_through_core() {
         let d = demo(Policy::Prefix);
-        let parsed = prefixroute_core::trace::parse_jsonl(&d.trace_jsonl()).unwrap();
+        let parsed = prefixroute_sim::trace::parse_jsonl(&d.trace_jsonl()).unwrap();
         assert_eq!(parsed, d.trace());
     }
 }

@@ -34,7 +34,7 @@ function s(tag, attrs = {}) {
 
 const pct = (x) => (Number.isFinite(x) ? `${(x * 100).toFixed(1)}%` : 'n/a');
 const ms = (x) => (Number.isFinite(x) ? (x >= 1000 ? `${(x / 1000).toFixed(2)} s` : `${Math.round(x)} ms`) : 'n/a');
-/** Like Rust's `{:.N}` (exact halves round to even), so numbers match core's summary line. */
+/** Like Rust's `{:.N}` (exact halves round to even), so numbers match core's explanation line. */
 function fixed(x, digits) {
   const scale = 10 ** digits;
   const y = x * scale;
@@ -640,7 +640,7 @@ function renderVerdict(view) {
       ` · queue at arrival ${served.queue_at_arrival}.`),
     stale ? h('p', { class: 'note' }, `The router believed ${belief} blocks were there, but the replica had evicted ${stale} of them and reused ${reused}. The index is a belief, not a fact.`) : null,
     h('ul', { class: 'why' }, explain(view).map((line) => h('li', {}, line))),
-    h('p', { class: 'core-line', title: "core's own one-line summary (Step::summary)" }, h('code', {}, view.summary)),
+    h('p', { class: 'core-line', title: "core's own one-line explanation (Step::explain)" }, h('code', {}, view.explanation)),
   ].filter(Boolean));
 }
 

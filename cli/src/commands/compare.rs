@@ -5,8 +5,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use prefixroute_core::stats::max_over_mean;
-use prefixroute_core::trace::{TraceRecord, TraceSpec};
+use prefixroute_sim::summary::max_over_mean;
+use prefixroute_sim::trace::{TraceRecord, TraceSpec};
 use serde::Serialize;
 
 use super::replay::{replay_records, Summary};

@@ -1,5 +1,5 @@
 use anyhow::Result;
-use prefixroute_core::disagg::{self, DisaggInput};
+use prefixroute_sim::disagg::{self, DisaggInput};
 
 #[derive(clap::Args)]
 pub struct Args {

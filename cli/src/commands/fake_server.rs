@@ -6,9 +6,9 @@
 //! `BlockCache`, so its hit counters mean exactly what the simulator's mean. Time is real: a
 //! request waits for a lane, then sleeps for its prefill and decode.
 
-mod engine;
 mod exposition;
 mod openai;
+mod replica;
 mod routes;
 
 use std::future::Future;
@@ -22,7 +22,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 
-use engine::EngineConfig;
+use replica::ReplicaConfig;
 use routes::Server;
 
 /// How long a stop waits for requests in flight before closing their connections.
@@ -93,7 +93,7 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 async fn serve(args: Args) -> Result<()> {
-    let config = EngineConfig {
+    let config = ReplicaConfig {
         model: args.model,
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,

@@ -71,11 +71,11 @@ pub(crate) fn write_stdout(text: &str) -> Result<()> {
 /// Reads a trace file with the file name in every error.
 pub(crate) fn read_trace(
     path: &std::path::Path,
-) -> Result<Vec<prefixroute_core::trace::TraceRecord>> {
+) -> Result<Vec<prefixroute_sim::trace::TraceRecord>> {
     use anyhow::Context;
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read trace {}", path.display()))?;
-    let records = prefixroute_core::trace::parse_jsonl(&text)
+    let records = prefixroute_sim::trace::parse_jsonl(&text)
         .with_context(|| format!("bad trace {}", path.display()))?;
     anyhow::ensure!(
         !records.is_empty(),

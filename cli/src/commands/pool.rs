@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use prefixroute_core::config::PluginConfig;
-use prefixroute_core::pool::{self, InferencePool, Pod, PoolError, Resolution};
+use prefixroute_pool::{self as pool, InferencePool, Pod, PoolError, Resolution};
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -163,7 +163,7 @@ pub fn run(args: Args) -> Result<()> {
 /// replays itself). Errors reading the counters afterwards are returned as errors.
 pub fn replay_records(
     label: &str,
-    records: &[prefixroute_core::trace::TraceRecord],
+    records: &[prefixroute_sim::trace::TraceRecord],
     url: &str,
     metrics: &[String],
     timeout: Duration,

@@ -71,7 +71,7 @@ pub struct PluginArgs {
     #[arg(long, default_value_t = 2)]
     failures_to_down: u32,
     /// Header that carries the chosen ip:port to Envoy.
-    #[arg(long, default_value = "x-gateway-destination-endpoint")]
+    #[arg(long, default_value = prefixroute_core::config::DEFAULT_DESTINATION_HEADER)]
     header: String,
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,

@@ -3,9 +3,9 @@ use std::path::PathBuf;
 use anyhow::Result;
 use prefixroute_core::config::{Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
-use prefixroute_core::replica::ReplicaTiming;
-use prefixroute_core::sim::{replica_names, upper_bound, SimConfig, SimReport, Simulation};
-use prefixroute_core::stats::max_over_mean;
+use prefixroute_sim::replica::ReplicaTiming;
+use prefixroute_sim::simulation::{replica_names, upper_bound, SimConfig, SimReport, Simulation};
+use prefixroute_sim::summary::max_over_mean;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -98,7 +98,7 @@ pub fn run(args: Args) -> Result<()> {
                     "  [{} of {} tokens cached, ttft {:.0} ms]",
                     step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
                 );
-                out += &format!("{}{}\n", step.summary(&names), outcome);
+                out += &format!("{}{}\n", step.explain(&names), outcome);
                 for line in step.decision.endpoint_lines(&names) {
                     out += &format!("    {line}\n");
                 }

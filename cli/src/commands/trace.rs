@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use prefixroute_core::trace::{to_jsonl, TraceShape, TraceSpec};
+use prefixroute_sim::trace::{to_jsonl, TraceShape, TraceSpec};
 
 #[derive(clap::Args)]
 pub struct Args {

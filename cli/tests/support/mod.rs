@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use prefixroute_core::metrics::{parse_vllm, EngineMetrics, DEFAULT_PREFIX};
+use prefixroute_core::metrics::{parse_vllm, ServerMetrics, DEFAULT_PREFIX};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_prefixroute");
 
@@ -65,7 +65,7 @@ impl FakeServer {
     }
 
     /// `/metrics` through core's parser, as a router would read it.
-    pub fn metrics(&self) -> EngineMetrics {
+    pub fn metrics(&self) -> ServerMetrics {
         let page = self.get("/metrics");
         assert_eq!(page.status, 200);
         parse_vllm(&page.body, DEFAULT_PREFIX, None).expect("metrics parse with core")

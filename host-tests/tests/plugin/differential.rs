@@ -18,10 +18,10 @@ use host_tests::{CalloutReply, Host, Request, Vm};
 use prefixroute_core::config::PluginConfig;
 use prefixroute_core::hashing::hash_request;
 use prefixroute_core::latency::{Observation, Prediction, RequestLedger};
-use prefixroute_core::metrics::{parse_vllm, EngineMetrics};
+use prefixroute_core::metrics::{parse_vllm, ServerMetrics};
 use prefixroute_core::scorer::estimate_load;
-use prefixroute_core::trace::{TraceShape, TraceSpec};
 use prefixroute_core::{parse_request, EndpointLoad, Router};
+use prefixroute_sim::trace::{TraceShape, TraceSpec};
 use serde_json::{json, Value};
 
 use crate::common::{self, destination, endpoint_of, name};
@@ -30,7 +30,7 @@ const N: usize = 5;
 
 /// What the plugin believes about each endpoint's scrapes, rebuilt from what we answered.
 struct Mirror {
-    metrics: Vec<Option<EngineMetrics>>,
+    metrics: Vec<Option<ServerMetrics>>,
     scraped_at: Vec<u64>,
     failures: Vec<u32>,
     down: Vec<bool>,
@@ -41,7 +41,7 @@ struct Mirror {
 
 /// What a scrape answer tells the plugin.
 enum ScrapeResult {
-    Metrics(EngineMetrics),
+    Metrics(ServerMetrics),
     Unparseable,
     Failed,
 }
@@ -335,7 +335,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                 load
             })
             .collect();
-        let expected = core.pick(&hashes, &loads);
+        let expected = core.pick(&hashes, &loads).unwrap();
         let prediction = core.prediction_for(&expected, &hashes, &loads[expected.endpoint]);
         core.commit(&expected, &hashes);
         ledger.sent(expected.endpoint, &prediction);
@@ -348,7 +348,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
             "{policy} request {i} (t={}): plugin chose {}, core {}; loads {loads:?}",
             record.t,
             names[got],
-            expected.summary(&names)
+            expected.explain(&names)
         );
         let mut headers = vec![
             (

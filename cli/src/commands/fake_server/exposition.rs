@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::engine::{EngineConfig, Snapshot};
+use super::replica::{ReplicaConfig, Snapshot};
 
 /// vLLM serves the classic text format through prometheus_client.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -33,7 +33,7 @@ fn family(page: &mut String, name: &str, kind: &str, help: &str, labels: &str, v
     );
 }
 
-pub fn render(config: &EngineConfig, s: &Snapshot) -> String {
+pub fn render(config: &ReplicaConfig, s: &Snapshot) -> String {
     let labels = format!("model_name=\"{}\",engine=\"0\"", escape(&config.model));
     let finished = format!("{labels},finished_reason=\"length\"");
     let mut page = String::with_capacity(2048);
@@ -115,8 +115,8 @@ mod tests {
     use super::*;
     use prefixroute_core::metrics::{parse_text, parse_vllm, DEFAULT_PREFIX};
 
-    fn config(model: &str) -> EngineConfig {
-        EngineConfig {
+    fn config(model: &str) -> ReplicaConfig {
+        ReplicaConfig {
             model: model.into(),
             kv_blocks: 64,
             block_size: 16,

@@ -17,9 +17,9 @@ use prefixroute_core::request::{parse_value, RequestError};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::engine::{Engine, EngineConfig, Job};
 use super::exposition;
 use super::openai::{self, Api, Reply};
+use super::replica::{Job, Replica, ReplicaConfig};
 
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -35,18 +35,18 @@ const SERVED_BY: HeaderName = HeaderName::from_static("x-served-by");
 
 /// State shared by every connection.
 pub struct Server {
-    pub engine: Arc<Engine>,
+    pub replica: Arc<Replica>,
     name: String,
     served_by: HeaderValue,
     next_id: AtomicU64,
 }
 
 impl Server {
-    pub fn new(name: String, config: EngineConfig) -> anyhow::Result<Server> {
+    pub fn new(name: String, config: ReplicaConfig) -> anyhow::Result<Server> {
         let served_by = HeaderValue::from_str(&name)
             .map_err(|_| anyhow::anyhow!("--name {name:?} cannot be sent as an HTTP header"))?;
         Ok(Server {
-            engine: Arc::new(Engine::new(config)),
+            replica: Arc::new(Replica::new(config)),
             name,
             served_by,
             next_id: AtomicU64::new(0),
@@ -59,7 +59,7 @@ impl Server {
             api,
             format!("{}-{n}", self.name),
             unix_now(),
-            self.engine.config.model.clone(),
+            self.replica.config.model.clone(),
         )
     }
 }
@@ -115,17 +115,17 @@ async fn route(server: &Arc<Server>, request: Request<Incoming>) -> Response<Bod
         }
         return response;
     }
-    let engine = &server.engine;
+    let replica = &server.replica;
     match route {
         Route::Chat => generate(server, request, Api::Chat).await,
         Route::Completions => generate(server, request, Api::Completions).await,
         Route::Models => json_response(
             StatusCode::OK,
-            &openai::models(&engine.config.model, unix_now(), MAX_MODEL_LEN),
+            &openai::models(&replica.config.model, unix_now(), MAX_MODEL_LEN),
         ),
         Route::Health => with_status(StatusCode::OK, Empty::new().boxed()),
         Route::Metrics => {
-            let page = exposition::render(&engine.config, &engine.snapshot());
+            let page = exposition::render(&replica.config, &replica.snapshot());
             let mut response = with_status(StatusCode::OK, Full::from(page).boxed());
             response.headers_mut().insert(
                 CONTENT_TYPE,
@@ -206,7 +206,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn parse(api: Api, body: &[u8], config: &EngineConfig) -> Result<Plan, ApiError> {
+    fn parse(api: Api, body: &[u8], config: &ReplicaConfig) -> Result<Plan, ApiError> {
         let value: Value =
             serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
         let mut request = parse_value(&value)?;
@@ -269,7 +269,7 @@ fn check_lengths(prompt_tokens: &[usize], output_tokens: usize) -> Result<(), Ap
 async fn generate(server: &Arc<Server>, request: Request<Incoming>, api: Api) -> Response<Body> {
     let plan = match read_body(request)
         .await
-        .and_then(|body| Plan::parse(api, &body, &server.engine.config))
+        .and_then(|body| Plan::parse(api, &body, &server.replica.config))
     {
         Ok(plan) => plan,
         Err(err) => return err.response(),
@@ -295,7 +295,7 @@ fn no_lane() -> Response<Body> {
 }
 
 async fn complete(server: &Arc<Server>, plan: Plan, mut reply: Reply) -> Response<Body> {
-    let Ok(lane) = server.engine.admit(&plan.job).await else {
+    let Ok(lane) = server.replica.admit(&plan.job).await else {
         return no_lane();
     };
     lane.prefill().await;
@@ -333,7 +333,7 @@ async fn send(tx: &mpsc::Sender<Bytes>, data: &str) -> bool {
 async fn stream_events(server: Arc<Server>, plan: Plan, mut reply: Reply, tx: mpsc::Sender<Bytes>) {
     // A client that hangs up while queued or prefilling must not keep a lane busy.
     let lane = tokio::select! {
-        lane = server.engine.admit(&plan.job) => lane,
+        lane = server.replica.admit(&plan.job) => lane,
         () = tx.closed() => return,
     };
     let Ok(lane) = lane else { return };
@@ -388,8 +388,8 @@ impl hyper::body::Body for ChannelBody {
 mod tests {
     use super::*;
 
-    fn config() -> EngineConfig {
-        EngineConfig {
+    fn config() -> ReplicaConfig {
+        ReplicaConfig {
             model: "cc-sim".into(),
             kv_blocks: 64,
             block_size: 16,

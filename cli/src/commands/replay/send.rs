@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use hyper::header::CONTENT_TYPE;
 use hyper::{HeaderMap, Uri};
-use prefixroute_core::trace::TraceRecord;
+use prefixroute_sim::trace::TraceRecord;
 use serde_json::Value;
 use tokio::time::Instant;
 

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::time::Duration;
 
-use prefixroute_core::stats::{groups_on_one_endpoint, percentile};
+use prefixroute_sim::summary::{groups_on_one_endpoint, percentile};
 use serde::Serialize;
 
 use super::counters::{ratio, ServerDelta};

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::router::draw_index;
+use prefixroute_core::router::draw_index;
 
 /// One request of a trace: when it is sent (seconds from the start), which group (tenant,
 /// conversation, document) it belongs to, and the OpenAI body.
@@ -496,7 +496,7 @@ mod tests {
         let other = trace.iter().find(|r| r.group != "tenant-0").unwrap();
         assert_ne!(system(other), system(t0[0]));
         // 180 words plus punctuation.
-        assert!(crate::tokenizer::tokenize(&system(t0[0])).len() > 180);
+        assert!(prefixroute_core::tokenizer::tokenize(&system(t0[0])).len() > 180);
     }
 
     #[test]
@@ -518,7 +518,7 @@ mod tests {
 
     #[test]
     fn unique_requests_share_no_block() {
-        use crate::hashing::{hash_request, HashConfig};
+        use prefixroute_core::hashing::{hash_request, HashConfig};
         let spec = TraceSpec {
             shape: TraceShape::Unique,
             prompt_words: 50,
@@ -528,7 +528,7 @@ mod tests {
         let trace = spec.generate().unwrap();
         let mut first_blocks = std::collections::HashSet::new();
         for record in &trace {
-            let parsed = crate::request::parse_value(&record.body).unwrap();
+            let parsed = prefixroute_core::request::parse_value(&record.body).unwrap();
             let hashes = hash_request(&parsed, HashConfig::default());
             assert!(first_blocks.insert(hashes.chains[0][0]), "{}", record.group);
         }

@@ -2,7 +2,7 @@
 //! endpoint resolution the way an endpoint picker does it.
 //!
 //! * [`validate`] checks one object against the CRD's `openAPIV3Schema` (vendored in
-//!   `pool/inferencepool.v1.schema.json`, kept equal to `kind/crds/` by a test) with the
+//!   `pool/src/inferencepool.v1.schema.json`, kept equal to `kind/crds/` by a test) with the
 //!   generic validator in [`schema`], plus the CRD's two CEL rules, and words every error as
 //!   the API server does.
 //! * [`resolve`] picks the Pods an endpoint picker would: same namespace, labels matching
@@ -13,7 +13,6 @@
 //! Pure functions over `serde_json::Value`: no I/O, so the CLI, tests and (if ever wanted) the
 //! plugin share them.
 
-pub mod regex;
 pub mod schema;
 
 use std::collections::BTreeMap;
@@ -24,7 +23,7 @@ use std::sync::OnceLock;
 use serde_json::Value;
 use thiserror::Error;
 
-use crate::config::{ConfigError, EndpointConfig, PluginConfig};
+use prefixroute_core::config::{ConfigError, EndpointConfig, PluginConfig};
 use schema::{CelRules, FieldError, UnknownRules};
 
 pub const GROUP: &str = "inference.networking.k8s.io";
@@ -32,7 +31,7 @@ pub const API_VERSION: &str = "inference.networking.k8s.io/v1";
 pub const KIND: &str = "InferencePool";
 
 /// The CRD's `openAPIV3Schema` for v1 (descriptions stripped).
-pub const SCHEMA_JSON: &str = include_str!("pool/inferencepool.v1.schema.json");
+pub const SCHEMA_JSON: &str = include_str!("inferencepool.v1.schema.json");
 
 /// The CRD's `x-kubernetes-validations` rules, by exact text, with the CRD's messages. The
 /// validator evaluates exactly these; a rule the CRD adds makes validation fail loudly.
@@ -470,7 +469,7 @@ mod tests {
         }
         assert_eq!(pairs.len(), CEL_RULES.len());
         for p in schema::patterns(schema()) {
-            regex::Regex::new(&p).unwrap();
+            schema::pattern(&p).unwrap();
         }
     }
 

@@ -17,13 +17,13 @@ use std::collections::BinaryHeap;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::hashing::{hash_request, BlockHashes};
-use crate::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
-use crate::request::{parse_value, RequestError};
-use crate::router::{Decision, EndpointLoad, Router, RouterConfig};
-use crate::stats::{groups_on_one_endpoint, natural_key, percentile};
+use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
+use prefixroute_core::hashing::{hash_request, BlockHashes};
+use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
+use prefixroute_core::request::{parse_value, RequestError};
+use prefixroute_core::router::{Decision, EndpointLoad, Router, RouterConfig};
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SimError {
@@ -34,7 +34,7 @@ pub enum SimError {
         source: RequestError,
     },
     #[error("{0}")]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] prefixroute_core::config::ConfigError),
     #[error("replicas must be at least 1")]
     NoReplicas,
 }
@@ -87,12 +87,12 @@ pub struct Step {
 
 impl Step {
     /// `#3 tenant-1: prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`
-    pub fn summary(&self, names: &[String]) -> String {
+    pub fn explain(&self, names: &[String]) -> String {
         format!(
             "#{} {}: {}",
             self.index,
             self.group,
-            self.decision.summary(names)
+            self.decision.explain(names)
         )
     }
 }
@@ -376,7 +376,10 @@ impl Simulation {
         self.calibrate(now_ms);
         let loads = self.loads(now_ms);
         let request = &self.requests[index];
-        let decision = self.router.pick(&request.hashes, &loads);
+        let decision = self
+            .router
+            .pick(&request.hashes, &loads)
+            .expect("a simulation has replicas: `new` refuses none");
         let block_size = request.hashes.block_size;
         // The server caches full blocks only: the router's chain minus any partial tail.
         let prompts: Vec<(&[u64], usize)> = request
@@ -504,7 +507,7 @@ pub fn upper_bound(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport
     one.cache_blocks = blocks.max(1);
     one.router.index_capacity_blocks = one.router.index_capacity_blocks.max(one.cache_blocks);
     one.timing.lanes = config.timing.lanes.max(1) * config.replicas;
-    one.router.policy = crate::config::Policy::RoundRobin;
+    one.router.policy = prefixroute_core::config::Policy::RoundRobin;
     let mut report = simulate(trace, one)?;
     report.policy = UPPER_BOUND.to_string();
     Ok(report)
@@ -513,8 +516,8 @@ pub fn upper_bound(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Policy;
     use crate::trace::TraceSpec;
+    use prefixroute_core::config::Policy;
 
     fn run(trace: &[TraceRecord], policy: Policy, lanes: usize) -> SimReport {
         let mut config = SimConfig::default();
@@ -594,7 +597,7 @@ mod tests {
             sim.report(),
             simulate(&trace, SimConfig::default()).unwrap()
         );
-        let line = sim.steps()[3].summary(&replica_names(3));
+        let line = sim.steps()[3].explain(&replica_names(3));
         assert!(line.starts_with("#3 tenant-"), "{line}");
         assert!(line.contains(" uncached tokens, queue "), "{line}");
         assert!(line.contains(" TTFT "), "{line}");

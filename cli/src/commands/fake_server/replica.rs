@@ -1,4 +1,4 @@
-//! The replica itself: core's [`BlockCache`], lanes and the counters `/metrics` reports.
+//! The replica itself: prefixroute-sim's [`BlockCache`], lanes and the counters `/metrics` reports.
 //!
 //! Time is real here (unlike core's `ReplicaSim`, which is driven by a simulated clock): a request
 //! holds a tokio semaphore permit while it "runs" and sleeps for its prefill and decode time.
@@ -11,13 +11,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prefixroute_core::hashing::{hash_request, HashConfig};
-use prefixroute_core::replica::BlockCache;
 use prefixroute_core::request::ParsedRequest;
+use prefixroute_sim::replica::BlockCache;
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 
 /// What the command line configures.
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub struct ReplicaConfig {
     pub model: String,
     pub kv_blocks: usize,
     pub block_size: usize,
@@ -81,8 +81,8 @@ pub struct Snapshot {
 }
 
 #[derive(Debug)]
-pub struct Engine {
-    pub config: EngineConfig,
+pub struct Replica {
+    pub config: ReplicaConfig,
     cache: Mutex<BlockCache>,
     lanes: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -95,9 +95,9 @@ pub struct Engine {
     generation_tokens: AtomicU64,
 }
 
-impl Engine {
-    pub fn new(config: EngineConfig) -> Engine {
-        Engine {
+impl Replica {
+    pub fn new(config: ReplicaConfig) -> Replica {
+        Replica {
             cache: Mutex::new(BlockCache::new(config.kv_blocks, config.block_size)),
             lanes: Arc::new(Semaphore::new(config.lanes.max(1))),
             config,
@@ -138,7 +138,7 @@ impl Engine {
         self.running.fetch_add(1, Ordering::Relaxed);
         self.running_blocks.fetch_add(blocks, Ordering::Relaxed);
         Ok(Lane {
-            engine: Arc::clone(self),
+            replica: Arc::clone(self),
             _permit: permit,
             blocks,
             prompt_tokens: job.tokens.iter().sum(),
@@ -185,7 +185,7 @@ impl Drop for Counted<'_> {
 /// A running request: holds its lane and its private KV blocks until dropped.
 #[derive(Debug)]
 pub struct Lane {
-    engine: Arc<Engine>,
+    replica: Arc<Replica>,
     _permit: OwnedSemaphorePermit,
     blocks: usize,
     pub prompt_tokens: usize,
@@ -200,24 +200,24 @@ impl Lane {
 
     /// Sleeps for the prefill (TTFT = lane wait + overhead + uncached tokens × per-token time).
     pub async fn prefill(&self) {
-        let config = &self.engine.config;
+        let config = &self.replica.config;
         let ms = config.prefill_overhead_ms
             + self.uncached_tokens() as f64 * config.prefill_ms_per_token;
         sleep_ms(ms).await;
-        self.engine
+        self.replica
             .prompt_tokens
             .fetch_add(self.prompt_tokens as u64, Ordering::Relaxed);
     }
 
     /// Sleeps for `steps` decode steps.
     pub async fn decode(&self, steps: usize) {
-        sleep_ms(steps as f64 * self.engine.config.decode_ms_per_token).await;
+        sleep_ms(steps as f64 * self.replica.config.decode_ms_per_token).await;
     }
 
     /// Counts the request as a success; only called once the whole answer was handed over.
     pub fn finish(self) {
-        self.engine.succeeded.fetch_add(1, Ordering::Relaxed);
-        self.engine
+        self.replica.succeeded.fetch_add(1, Ordering::Relaxed);
+        self.replica
             .generation_tokens
             .fetch_add(self.generated as u64, Ordering::Relaxed);
     }
@@ -225,8 +225,8 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        self.engine.running.fetch_sub(1, Ordering::Relaxed);
-        self.engine
+        self.replica.running.fetch_sub(1, Ordering::Relaxed);
+        self.replica
             .running_blocks
             .fetch_sub(self.blocks, Ordering::Relaxed);
     }
@@ -245,8 +245,8 @@ mod tests {
     use super::*;
     use prefixroute_core::request::parse_request;
 
-    fn engine(lanes: usize) -> Arc<Engine> {
-        Arc::new(Engine::new(EngineConfig {
+    fn replica(lanes: usize) -> Arc<Replica> {
+        Arc::new(Replica::new(ReplicaConfig {
             model: "m".into(),
             kv_blocks: 64,
             block_size: 4,
@@ -264,16 +264,16 @@ mod tests {
 
     #[tokio::test]
     async fn second_identical_prompt_hits_the_cache() {
-        let engine = engine(2);
+        let replica = replica(2);
         let prompt = "one two three four five six seven eight nine ten";
-        let first = engine.admit(&job(prompt)).await.unwrap();
+        let first = replica.admit(&job(prompt)).await.unwrap();
         assert_eq!((first.prompt_tokens, first.cached_tokens), (10, 0));
         first.finish();
-        let second = engine.admit(&job(prompt)).await.unwrap();
+        let second = replica.admit(&job(prompt)).await.unwrap();
         // 10 tokens, two full blocks of 4 cached; the lookup cap (10−1)/4 = 2 allows both.
         assert_eq!(second.cached_tokens, 8);
         drop(second);
-        let s = engine.snapshot();
+        let s = replica.snapshot();
         assert_eq!((s.query_tokens, s.hit_tokens), (20, 8));
         assert_eq!((s.running, s.succeeded), (0, 1));
         assert_eq!(s.kv_usage, 0.0);
@@ -281,21 +281,21 @@ mod tests {
 
     #[tokio::test]
     async fn running_lane_holds_private_blocks_and_others_wait() {
-        let engine = engine(1);
-        let lane = engine.admit(&job("a b c d e")).await.unwrap();
+        let replica = replica(1);
+        let lane = replica.admit(&job("a b c d e")).await.unwrap();
         // 5 uncached tokens → 2 blocks, 4 output tokens → 1 block, of 64.
-        assert_eq!(engine.snapshot().kv_usage, 3.0 / 64.0);
+        assert_eq!(replica.snapshot().kv_usage, 3.0 / 64.0);
         let waiter = {
-            let engine = Arc::clone(&engine);
-            tokio::spawn(async move { engine.admit(&job("x")).await.map(drop) })
+            let replica = Arc::clone(&replica);
+            tokio::spawn(async move { replica.admit(&job("x")).await.map(drop) })
         };
-        while engine.snapshot().waiting == 0 {
+        while replica.snapshot().waiting == 0 {
             tokio::task::yield_now().await;
         }
-        assert_eq!(engine.snapshot().running, 1);
+        assert_eq!(replica.snapshot().running, 1);
         drop(lane);
         waiter.await.unwrap().unwrap();
-        let s = engine.snapshot();
+        let s = replica.snapshot();
         assert_eq!((s.waiting, s.running, s.kv_usage), (0, 0, 0.0));
     }
 }

@@ -17,12 +17,36 @@
 //! of one CRD by their exact text. An unknown rule is reported (or counted, for callers that
 //! only want the structural part), never silently passed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
 
+pub use regex_lite::Regex;
 use serde_json::{Map, Value};
 
-use super::regex::Regex;
+/// The compiled form of a CRD `pattern`, compiled once per process and shared.
+///
+/// Kubernetes checks `pattern` with Go's RE2 `regexp.MatchString`: an unanchored search with
+/// ASCII-only `\d \w \s` and `.` not matching `\n`. `regex-lite` has the same syntax and
+/// classes and matches in linear time. A pattern it cannot compile (e.g. look-around, which RE2
+/// refuses too) is an error the validator reports as an unsupported rule, not a silent pass.
+pub fn pattern(source: &str) -> Result<Arc<Regex>, String> {
+    type Compiled = HashMap<String, Result<Arc<Regex>, String>>;
+    static COMPILED: OnceLock<Mutex<Compiled>> = OnceLock::new();
+    let mut compiled = COMPILED
+        .get_or_init(Default::default)
+        .lock()
+        // A panic elsewhere while holding the lock leaves a map that is still consistent.
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    compiled
+        .entry(source.to_string())
+        .or_insert_with(|| {
+            Regex::new(source)
+                .map(Arc::new)
+                .map_err(|e| format!("pattern {source:?}: {e}"))
+        })
+        .clone()
+}
 
 /// A field path as the API server prints it: `spec.targetPorts[0].number`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -542,7 +566,7 @@ impl Validator<'_> {
             }
         }
         if let Some(pattern) = schema.get("pattern").and_then(Value::as_str) {
-            match Regex::new(pattern) {
+            match self::pattern(pattern) {
                 Ok(re) => {
                     if !re.is_match(s) {
                         self.invalid(
@@ -552,12 +576,7 @@ impl Validator<'_> {
                         );
                     }
                 }
-                Err(e) => self.push(
-                    path,
-                    ErrorKind::UnsupportedRule {
-                        rule: e.to_string(),
-                    },
-                ),
+                Err(rule) => self.push(path, ErrorKind::UnsupportedRule { rule }),
             }
         }
         if let Some(format) = schema.get("format").and_then(Value::as_str) {
@@ -1000,7 +1019,7 @@ const DNS1123_LABEL: &str = "[a-z0-9]([-a-z0-9]*[a-z0-9])?";
 const DNS1123_SUBDOMAIN: &str = "[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*";
 
 fn full_match(re: &str, s: &str) -> bool {
-    Regex::new(&format!("^{re}$")).is_ok_and(|r| r.is_match(s))
+    pattern(&format!("^{re}$")).is_ok_and(|r| r.is_match(s))
 }
 
 /// `IsDNS1123Subdomain` of apimachinery, with its messages.
@@ -1270,5 +1289,41 @@ mod tests {
         assert!(!is_base64("aGVsbG8"));
         assert!(format_ok("ipv6", "::1"));
         assert!(!format_ok("ipv4", "1.2.3"));
+    }
+
+    #[test]
+    fn patterns_follow_re2_and_compile_once() {
+        let digits = pattern("^[0-9]+$").unwrap();
+        assert!(
+            Arc::ptr_eq(&digits, &pattern("^[0-9]+$").unwrap()),
+            "compiled once"
+        );
+        // Go's regexp: an unanchored search, ASCII `\d`, `.` not matching a newline.
+        assert!(pattern("b").unwrap().is_match("abc"));
+        assert!(
+            !pattern(r"^\d$").unwrap().is_match("\u{663}"),
+            "Arabic-Indic three"
+        );
+        assert!(pattern(r"^\d$").unwrap().is_match("3"));
+        assert!(!pattern("^a.b$").unwrap().is_match("a\nb"));
+        assert!(
+            pattern("(?=a)").is_err(),
+            "look-around, which RE2 refuses too"
+        );
+    }
+
+    #[test]
+    fn a_pattern_that_cannot_compile_is_reported_not_passed() {
+        let schema = json!({"type": "object", "properties": {
+            "name": {"type": "string", "pattern": "(?<=x)y"}}});
+        let (_, report) = validate(&schema, &json!({"name": "y"}), &NoCel, UnknownRules::Skip);
+        assert!(
+            report
+                .errors
+                .iter()
+                .any(|e| matches!(&e.kind, ErrorKind::UnsupportedRule { rule } if rule.contains("(?<=x)y"))),
+            "{:?}",
+            report.errors
+        );
     }
 }

@@ -13,8 +13,8 @@
 //! The simulator is deterministic, so these are exact properties of this code, not timings.
 
 use prefixroute_core::config::Policy;
-use prefixroute_core::sim::{simulate, upper_bound, SimConfig, SimReport};
-use prefixroute_core::trace::{TraceRecord, TraceShape, TraceSpec};
+use prefixroute_sim::simulation::{simulate, upper_bound, SimConfig, SimReport};
+use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 fn trace(
     shape: TraceShape,
