@@ -13,27 +13,13 @@
 
 use std::ptr::null_mut;
 
-pub const OK: u32 = 0;
-pub const NOT_FOUND: u32 = 1;
-pub const CAS_MISMATCH: u32 = 8;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
 
-/// Header map types.
-pub const REQUEST_HEADERS: u32 = 0;
-pub const RESPONSE_HEADERS: u32 = 2;
-pub const CALL_RESPONSE_HEADERS: u32 = 6;
-
-/// Buffer types.
-pub const REQUEST_BODY: u32 = 0;
-pub const CALL_RESPONSE_BODY: u32 = 4;
-pub const PLUGIN_CONFIGURATION: u32 = 7;
-
-/// Log levels.
-pub const INFO: u32 = 2;
-pub const WARN: u32 = 3;
-pub const ERROR: u32 = 4;
-
-pub const COUNTER: u32 = 0;
-pub const GAUGE: u32 = 1;
+// The ABI's numbers are the SDK's enums; statuses come back as raw numbers (the host may
+// return one the enum does not name), compared against these.
+const OK: u32 = Status::Ok as u32;
+const NOT_FOUND: u32 = Status::NotFound as u32;
+pub const CAS_MISMATCH: u32 = Status::CasMismatch as u32;
 
 #[link(wasm_import_module = "env")]
 extern "C" {
@@ -104,10 +90,10 @@ fn status(s: u32) -> Result<(), u32> {
     }
 }
 
-pub fn log(level: u32, message: &str) {
+pub fn log(level: LogLevel, message: &str) {
     // SAFETY: pointer and length of a live &str.
     unsafe {
-        proxy_log(level, message.as_ptr(), message.len());
+        proxy_log(level as u32, message.as_ptr(), message.len());
     }
 }
 
@@ -129,10 +115,14 @@ pub fn set_tick_period_ms(ms: u32) -> Result<(), u32> {
 }
 
 /// Up to `max` bytes of a buffer from `start`; `Ok(None)` when the buffer does not exist.
-pub fn get_buffer(buffer_type: u32, start: usize, max: usize) -> Result<Option<Vec<u8>>, u32> {
+pub fn get_buffer(
+    buffer_type: BufferType,
+    start: usize,
+    max: usize,
+) -> Result<Option<Vec<u8>>, u32> {
     let (mut data, mut size) = (null_mut(), 0usize);
     // SAFETY: valid out-pointers.
-    let s = unsafe { proxy_get_buffer_bytes(buffer_type, start, max, &mut data, &mut size) };
+    let s = unsafe { proxy_get_buffer_bytes(buffer_type as u32, start, max, &mut data, &mut size) };
     match s {
         OK => Ok(Some(take(data, size))),
         NOT_FOUND => Ok(None),
@@ -141,11 +131,17 @@ pub fn get_buffer(buffer_type: u32, start: usize, max: usize) -> Result<Option<V
 }
 
 /// A header's value as bytes; `Ok(None)` when absent.
-pub fn get_header(map_type: u32, key: &str) -> Result<Option<Vec<u8>>, u32> {
+pub fn get_header(map_type: MapType, key: &str) -> Result<Option<Vec<u8>>, u32> {
     let (mut data, mut size) = (null_mut(), 0usize);
     // SAFETY: key is a live &str; valid out-pointers.
     let s = unsafe {
-        proxy_get_header_map_value(map_type, key.as_ptr(), key.len(), &mut data, &mut size)
+        proxy_get_header_map_value(
+            map_type as u32,
+            key.as_ptr(),
+            key.len(),
+            &mut data,
+            &mut size,
+        )
     };
     match s {
         OK => Ok(Some(take(data, size))),
@@ -155,16 +151,16 @@ pub fn get_header(map_type: u32, key: &str) -> Result<Option<Vec<u8>>, u32> {
 }
 
 /// A header's value as text (lossy: header values are bytes).
-pub fn get_header_string(map_type: u32, key: &str) -> Result<Option<String>, u32> {
+pub fn get_header_string(map_type: MapType, key: &str) -> Result<Option<String>, u32> {
     Ok(get_header(map_type, key)?.map(|v| String::from_utf8_lossy(&v).into_owned()))
 }
 
 /// Sets a header, replacing every existing value.
-pub fn replace_header(map_type: u32, key: &str, value: &str) -> Result<(), u32> {
+pub fn replace_header(map_type: MapType, key: &str, value: &str) -> Result<(), u32> {
     // SAFETY: live &strs.
     status(unsafe {
         proxy_replace_header_map_value(
-            map_type,
+            map_type as u32,
             key.as_ptr(),
             key.len(),
             value.as_ptr(),
@@ -173,9 +169,9 @@ pub fn replace_header(map_type: u32, key: &str, value: &str) -> Result<(), u32> 
     })
 }
 
-pub fn remove_header(map_type: u32, key: &str) -> Result<(), u32> {
+pub fn remove_header(map_type: MapType, key: &str) -> Result<(), u32> {
     // SAFETY: live &str.
-    status(unsafe { proxy_remove_header_map_value(map_type, key.as_ptr(), key.len()) })
+    status(unsafe { proxy_remove_header_map_value(map_type as u32, key.as_ptr(), key.len()) })
 }
 
 pub fn get_shared(key: &str) -> Result<Option<(Vec<u8>, u32)>, u32> {
@@ -197,10 +193,10 @@ pub fn set_shared(key: &str, value: &[u8], cas: u32) -> Result<(), u32> {
     })
 }
 
-pub fn define_metric(metric_type: u32, name: &str) -> Result<u32, u32> {
+pub fn define_metric(metric_type: MetricType, name: &str) -> Result<u32, u32> {
     let mut id = 0u32;
     // SAFETY: live &str; valid out-pointer.
-    let s = unsafe { proxy_define_metric(metric_type, name.as_ptr(), name.len(), &mut id) };
+    let s = unsafe { proxy_define_metric(metric_type as u32, name.as_ptr(), name.len(), &mut id) };
     status(s).map(|()| id)
 }
 

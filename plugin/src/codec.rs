@@ -9,7 +9,7 @@
 use prefixroute_core::latency::{
     Calibration, EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, SentTokens, LANE_MODELS,
 };
-use prefixroute_core::metrics::EngineMetrics;
+use prefixroute_core::metrics::ServerMetrics;
 
 use crate::window::{DeadStamps, EPOCHS};
 
@@ -120,7 +120,7 @@ pub struct EndpointState {
     pub failures: u16,
     pub down: bool,
     /// The last successful scrape; `None` = none yet, or the page did not parse.
-    pub metrics: Option<EngineMetrics>,
+    pub metrics: Option<ServerMetrics>,
 }
 
 const FLAG_DOWN: u8 = 1;
@@ -223,7 +223,7 @@ impl EndpointState {
                     *field = Some(r.f64()?);
                 }
             }
-            Some(EngineMetrics {
+            Some(ServerMetrics {
                 num_requests_waiting: fields[0],
                 num_requests_running: fields[1],
                 kv_cache_usage_perc: fields[2],
@@ -250,7 +250,7 @@ impl EndpointState {
     }
 }
 
-fn metric_fields(m: &EngineMetrics) -> [Option<f64>; 7] {
+fn metric_fields(m: &ServerMetrics) -> [Option<f64>; 7] {
     [
         m.num_requests_waiting,
         m.num_requests_running,
@@ -580,8 +580,8 @@ impl Registry {
 mod tests {
     use super::*;
 
-    fn full_metrics() -> EngineMetrics {
-        EngineMetrics {
+    fn full_metrics() -> ServerMetrics {
+        ServerMetrics {
             num_requests_waiting: Some(3.0),
             num_requests_running: Some(5.5),
             kv_cache_usage_perc: Some(0.25),
@@ -623,14 +623,14 @@ mod tests {
         assert_eq!(s.encode().len(), 72 + 2 * 2 + 7 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
-        s.metrics = Some(EngineMetrics::default());
+        s.metrics = Some(ServerMetrics::default());
         s.down = false;
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Partial metrics keep exactly their fields.
-        s.metrics = Some(EngineMetrics {
+        s.metrics = Some(ServerMetrics {
             kv_cache_usage_perc: Some(0.5),
             num_gpu_blocks: Some(7),
-            ..EngineMetrics::default()
+            ..ServerMetrics::default()
         });
         assert_eq!(EndpointState::decode(&s.encode()), Some(s));
     }

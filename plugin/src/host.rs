@@ -1,6 +1,8 @@
-//! The host behind the engine's abstractions: shared data and Envoy stats.
+//! The host behind the scheduler's abstractions: shared data and Envoy stats.
 
 use std::collections::BTreeMap;
+
+use proxy_wasm::types::{LogLevel, MetricType};
 
 use crate::abi;
 use crate::shared::{SetError, SharedData};
@@ -42,8 +44,8 @@ impl Metrics {
                     Some(&id) => id,
                     None => {
                         let kind = match key.0 {
-                            Kind::Counter => abi::COUNTER,
-                            Kind::Gauge => abi::GAUGE,
+                            Kind::Counter => MetricType::Counter,
+                            Kind::Gauge => MetricType::Gauge,
                         };
                         // A metric the host refuses is skipped, never fatal.
                         let Ok(id) = abi::define_metric(kind, &key.1) else {
@@ -64,13 +66,13 @@ impl Metrics {
 }
 
 pub fn info(message: &str) {
-    abi::log(abi::INFO, message);
+    abi::log(LogLevel::Info, message);
 }
 
 pub fn warn(message: &str) {
-    abi::log(abi::WARN, message);
+    abi::log(LogLevel::Warn, message);
 }
 
 pub fn error(message: &str) {
-    abi::log(abi::ERROR, message);
+    abi::log(LogLevel::Error, message);
 }

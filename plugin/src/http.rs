@@ -10,19 +10,17 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use prefixroute_core::config::DEFAULT_DESTINATION_HEADER;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::Action;
+use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::abi;
-use crate::engine::{Choice, Route};
 use crate::fallback::FallbackReason;
 use crate::host::Metrics;
-use crate::root::{flush, SharedEngine};
+use crate::root::{flush, SharedScheduler};
+use crate::scheduler::{Choice, Route};
 use crate::settings::is_routable;
 use crate::stats::Event;
-
-/// The destination header when no configuration is loaded (core's default).
-const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -36,7 +34,7 @@ enum Phase {
 }
 
 pub struct Filter {
-    engine: Option<SharedEngine>,
+    scheduler: Option<SharedScheduler>,
     metrics: Rc<RefCell<Metrics>>,
     phase: Phase,
     choice: Option<Choice>,
@@ -45,9 +43,9 @@ pub struct Filter {
 }
 
 impl Filter {
-    pub fn new(engine: Option<SharedEngine>, metrics: Rc<RefCell<Metrics>>) -> Self {
+    pub fn new(scheduler: Option<SharedScheduler>, metrics: Rc<RefCell<Metrics>>) -> Self {
         Filter {
-            engine,
+            scheduler,
             metrics,
             phase: Phase::Idle,
             choice: None,
@@ -56,7 +54,7 @@ impl Filter {
     }
 
     fn destination_header(&self) -> String {
-        self.engine
+        self.scheduler
             .as_ref()
             .and_then(|e| e.try_borrow().ok())
             .map_or_else(
@@ -66,15 +64,15 @@ impl Filter {
     }
 
     fn max_body_bytes(&self) -> usize {
-        self.engine
+        self.scheduler
             .as_ref()
             .and_then(|e| e.try_borrow().ok())
             .map_or(usize::MAX, |e| e.config().max_body_bytes)
     }
 
     fn count(&self, event: Event) {
-        let engine = self.engine.as_ref().and_then(|e| e.try_borrow().ok());
-        let names = engine.as_ref().map_or(&[][..], |e| e.stat_names());
+        let scheduler = self.scheduler.as_ref().and_then(|e| e.try_borrow().ok());
+        let names = scheduler.as_ref().map_or(&[][..], |e| e.stat_names());
         if let Ok(mut m) = self.metrics.try_borrow_mut() {
             m.record(&[event], names);
         }
@@ -83,20 +81,20 @@ impl Filter {
     /// Decides with `decide`, sets the destination header and records the choice.
     fn steer(
         &mut self,
-        decide: impl FnOnce(&mut crate::engine::Engine<crate::host::HostShared>, u64) -> Choice,
+        decide: impl FnOnce(&mut crate::scheduler::Scheduler<crate::host::HostShared>, u64) -> Choice,
     ) {
         self.phase = Phase::Decided;
-        // Without the engine (not configured, or a re-entrant call) there is no choice to
+        // Without the scheduler (not configured, or a re-entrant call) there is no choice to
         // make: the client's header was already removed, so Envoy's fallback_policy picks.
         let internal = Event::Fallback {
             reason: FallbackReason::Internal,
             endpoint: 0,
         };
-        let Some(engine) = self.engine.clone() else {
+        let Some(scheduler) = self.scheduler.clone() else {
             self.count(internal);
             return;
         };
-        let Ok(mut e) = engine.try_borrow_mut() else {
+        let Ok(mut e) = scheduler.try_borrow_mut() else {
             self.count(internal);
             return;
         };
@@ -106,7 +104,7 @@ impl Filter {
         flush(&mut e, &self.metrics);
         drop(e);
         self.choice = Some(choice);
-        if abi::replace_header(abi::REQUEST_HEADERS, &header, &address).is_err() {
+        if abi::replace_header(MapType::HttpRequestHeaders, &header, &address).is_err() {
             self.count(Event::HeaderError);
         }
     }
@@ -116,7 +114,7 @@ impl Filter {
     }
 
     fn route_buffered_body(&mut self, size: usize) {
-        match abi::get_buffer(abi::REQUEST_BODY, 0, size) {
+        match abi::get_buffer(BufferType::HttpRequestBody, 0, size) {
             Ok(Some(body)) => self.steer(|e, now| e.route(&body, now)),
             Ok(None) if size == 0 => self.steer(|e, now| e.route(b"", now)),
             _ => self.fallback(FallbackReason::BodyUnavailable),
@@ -128,10 +126,10 @@ impl Filter {
             return;
         }
         self.released = true;
-        let (Some(choice), Some(engine)) = (self.choice, self.engine.as_ref()) else {
+        let (Some(choice), Some(scheduler)) = (self.choice, self.scheduler.as_ref()) else {
             return;
         };
-        if let Ok(mut e) = engine.try_borrow_mut() {
+        if let Ok(mut e) = scheduler.try_borrow_mut() {
             e.release(&choice.ticket, abi::now_ms());
             flush(&mut e, &self.metrics);
         }
@@ -139,15 +137,16 @@ impl Filter {
 
     /// The response headers arrived: the request's first byte.
     fn first_byte(&mut self) {
-        let (Some(choice), Some(engine)) = (self.choice.as_mut(), self.engine.as_ref()) else {
+        let (Some(choice), Some(scheduler)) = (self.choice.as_mut(), self.scheduler.as_ref())
+        else {
             return;
         };
-        let status = abi::get_header_string(abi::RESPONSE_HEADERS, ":status")
+        let status = abi::get_header_string(MapType::HttpResponseHeaders, ":status")
             .ok()
             .flatten()
             .and_then(|s| s.trim().parse::<u32>().ok());
         let success = status.is_some_and(|s| (200..300).contains(&s));
-        if let Ok(mut e) = engine.try_borrow_mut() {
+        if let Ok(mut e) = scheduler.try_borrow_mut() {
             e.first_byte(&mut choice.ticket, success, abi::now_ms());
             flush(&mut e, &self.metrics);
         }
@@ -166,11 +165,11 @@ impl HttpContext for Filter {
         self.count(Event::Request);
         // Drop any client-supplied destination first: whatever happens next, a client never
         // picks the upstream host.
-        if abi::remove_header(abi::REQUEST_HEADERS, &self.destination_header()).is_err() {
+        if abi::remove_header(MapType::HttpRequestHeaders, &self.destination_header()).is_err() {
             self.count(Event::HeaderError);
         }
         let header = |name| {
-            abi::get_header_string(abi::REQUEST_HEADERS, name)
+            abi::get_header_string(MapType::HttpRequestHeaders, name)
                 .ok()
                 .flatten()
                 .unwrap_or_default()
@@ -217,10 +216,10 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.first_byte();
-        let (Some(choice), Some(engine)) = (self.choice, self.engine.as_ref()) else {
+        let (Some(choice), Some(scheduler)) = (self.choice, self.scheduler.as_ref()) else {
             return Action::Continue;
         };
-        let Ok(e) = engine.try_borrow() else {
+        let Ok(e) = scheduler.try_borrow() else {
             return Action::Continue;
         };
         let name = e.name(choice.endpoint).to_string();
@@ -254,7 +253,7 @@ impl HttpContext for Filter {
             }
         }
         for (name, value) in headers {
-            if abi::replace_header(abi::RESPONSE_HEADERS, name, &value).is_err() {
+            if abi::replace_header(MapType::HttpResponseHeaders, name, &value).is_err() {
                 self.count(Event::HeaderError);
             }
         }

@@ -22,13 +22,15 @@ use prefixroute_core::latency::{
 };
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
-use crate::shared::{instance_key, SetError, SharedData, REGISTRY_KEY};
-use crate::store::CAS_ATTEMPTS;
+use crate::shared::{
+    instance_key, read_modify_write, read_or_default, EndpointIds, SetError, SharedData,
+    SharedDataErrors, CAS_ATTEMPTS, REGISTRY_KEY,
+};
 
+/// What the ledger counted since the scheduler last drained it into stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LedgerStats {
-    pub cas_give_ups: u32,
-    pub host_errors: u32,
+pub struct LedgerCounts {
+    pub shared: SharedDataErrors,
     /// First bytes that taught the rate estimator something, and ones it refused as absurd.
     pub observations: u32,
     pub refused_observations: u32,
@@ -64,9 +66,7 @@ impl Pooled {
 
 #[derive(Debug)]
 pub struct Ledger {
-    /// Endpoint ids (see [`crate::store::endpoint_id`]) by index.
-    ids: Vec<u64>,
-    by_id: Vec<(u64, usize)>,
+    ids: EndpointIds,
     /// This instance's own requests and what it learned from them.
     own: RequestLedger,
     growth: GroupGrowth,
@@ -74,22 +74,19 @@ pub struct Ledger {
     /// Other live instances, as of the last tick.
     peers: Vec<Member>,
     stale_ms: u64,
-    stats: LedgerStats,
+    counts: LedgerCounts,
 }
 
 impl Ledger {
-    pub fn new(ids: Vec<u64>, stale_ms: u64) -> Self {
-        let mut by_id: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
-        by_id.sort_unstable();
+    pub fn new(ids: EndpointIds, stale_ms: u64) -> Self {
         Ledger {
             own: RequestLedger::new(ids.len()),
             growth: GroupGrowth::default(),
             ids,
-            by_id,
             me: None,
             peers: Vec::new(),
             stale_ms,
-            stats: LedgerStats::default(),
+            counts: LedgerCounts::default(),
         }
     }
 
@@ -106,8 +103,8 @@ impl Ledger {
         self.peers.len()
     }
 
-    pub fn take_stats(&mut self) -> LedgerStats {
-        std::mem::take(&mut self.stats)
+    pub fn take_counts(&mut self) -> LedgerCounts {
+        std::mem::take(&mut self.counts)
     }
 
     /// A request was steered to `endpoint` with the prediction made for it there (a
@@ -151,9 +148,9 @@ impl Ledger {
             .own
             .first_byte(endpoint, uncached_tokens, observation, config)
         {
-            Ok(()) if observed => self.stats.observations += 1,
+            Ok(()) if observed => self.counts.observations += 1,
             Ok(()) => {}
-            Err(_) => self.stats.refused_observations += 1,
+            Err(_) => self.counts.refused_observations += 1,
         }
         self.publish(host, now_ms);
     }
@@ -173,7 +170,7 @@ impl Ledger {
             return;
         }
         if self.own.done(endpoint, prefill_pending, hold_ms).is_err() {
-            self.stats.refused_observations += 1;
+            self.counts.refused_observations += 1;
         }
         self.publish(host, now_ms);
     }
@@ -198,7 +195,7 @@ impl Ledger {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
                 Ok(None) => None,
                 Err(_) => {
-                    self.stats.host_errors += 1;
+                    self.counts.shared.host_errors += 1;
                     None
                 }
             };
@@ -210,11 +207,7 @@ impl Ledger {
             theirs.lanes = record.lanes;
             theirs.hold = record.hold;
             for ledger in &record.endpoints {
-                if let Ok(pos) = self
-                    .by_id
-                    .binary_search_by_key(&ledger.endpoint, |&(id, _)| id)
-                {
-                    let e = self.by_id[pos].1;
+                if let Some(e) = self.ids.index(ledger.endpoint) {
                     pooled.add_work(e, &ledger.work, &ledger.sent);
                     theirs.rates[e] = ledger.rate;
                 }
@@ -231,14 +224,11 @@ impl Ledger {
     /// Periodic work (every root context's tick): heartbeat, refresh the peer list, reap
     /// instances whose heartbeat is stale, and re-register if we were reaped ourselves.
     pub fn tick(&mut self, host: &impl SharedData, now_ms: u64) {
-        let (registry, cas) = match host.get(REGISTRY_KEY) {
-            Ok(Some((bytes, cas))) => (Registry::decode(&bytes).unwrap_or_default(), cas),
-            Ok(None) => (Registry::default(), 0),
-            Err(_) => {
-                self.stats.host_errors += 1;
-                return;
-            }
+        let Ok(read) = read_or_default(host, REGISTRY_KEY, Registry::decode) else {
+            self.counts.shared.host_errors += 1;
+            return;
         };
+        let (registry, cas) = (read.value, read.cas);
         let mut alive = Vec::with_capacity(registry.members.len());
         let mut dead = false;
         for member in &registry.members {
@@ -251,7 +241,7 @@ impl Ledger {
                 Ok(None) => None,
                 Err(_) => {
                     // Unknown is not dead: keep it.
-                    self.stats.host_errors += 1;
+                    self.counts.shared.host_errors += 1;
                     alive.push(*member);
                     continue;
                 }
@@ -276,7 +266,7 @@ impl Ledger {
             // One attempt: if another instance changed the registry, the next tick retries.
             match host.set(REGISTRY_KEY, &pruned.encode(), cas) {
                 Ok(()) | Err(SetError::CasMismatch) => {}
-                Err(SetError::Host(_)) => self.stats.host_errors += 1,
+                Err(SetError::Host(_)) => self.counts.shared.host_errors += 1,
             }
         }
         if let Some(me) = self.me {
@@ -292,35 +282,26 @@ impl Ledger {
     }
 
     fn register(&mut self, host: &impl SharedData, now_ms: u64) {
-        for _ in 0..CAS_ATTEMPTS {
-            let (mut registry, cas) = match host.get(REGISTRY_KEY) {
-                Ok(Some((bytes, cas))) => (Registry::decode(&bytes).unwrap_or_default(), cas),
-                Ok(None) => (Registry::default(), 0),
-                Err(_) => {
-                    self.stats.host_errors += 1;
-                    return;
-                }
-            };
-            let member = Member {
-                slot: registry.free_slot(),
-                nonce: registry.next_nonce.max(1),
-                registered_ms: now_ms,
-            };
-            registry.next_nonce = member.nonce + 1;
-            registry.members.push(member);
-            match host.set(REGISTRY_KEY, &registry.encode(), cas) {
-                Ok(()) => {
-                    self.me = Some(member);
-                    return;
-                }
-                Err(SetError::CasMismatch) => continue,
-                Err(SetError::Host(_)) => {
-                    self.stats.host_errors += 1;
-                    return;
-                }
-            }
+        let mut member = None;
+        let outcome = read_modify_write(
+            CAS_ATTEMPTS,
+            |_| read_or_default(host, REGISTRY_KEY, Registry::decode),
+            |mut registry: Registry| {
+                let joined = Member {
+                    slot: registry.free_slot(),
+                    nonce: registry.next_nonce.max(1),
+                    registered_ms: now_ms,
+                };
+                registry.next_nonce = joined.nonce + 1;
+                registry.members.push(joined);
+                member = Some(joined);
+                Some(registry)
+            },
+            |registry, cas| host.set(REGISTRY_KEY, &registry.encode(), cas),
+        );
+        if self.counts.shared.settle(outcome).is_some() {
+            self.me = member;
         }
-        self.stats.cas_give_ups += 1;
     }
 
     fn publish(&mut self, host: &impl SharedData, now_ms: u64) {
@@ -333,7 +314,7 @@ impl Ledger {
             growth: self.growth,
             endpoints: (0..self.ids.len())
                 .map(|e| EndpointLedger {
-                    endpoint: self.ids[e],
+                    endpoint: self.ids.id(e).unwrap_or_default(),
                     work: self.own.work[e],
                     rate: self.own.learned.rates[e],
                     sent: self.own.sent[e],
@@ -345,7 +326,7 @@ impl Ledger {
             .set(&instance_key(me.slot), &record.encode(), 0)
             .is_err()
         {
-            self.stats.host_errors += 1;
+            self.counts.shared.host_errors += 1;
         }
     }
 }
@@ -360,7 +341,7 @@ mod tests {
     const STALE: u64 = 3000;
 
     fn instance() -> Ledger {
-        Ledger::new(vec![11, 22, 33], STALE)
+        Ledger::new(EndpointIds::from_ids(vec![11, 22, 33]), STALE)
     }
 
     fn work(uncached: u64) -> Prediction {
@@ -444,7 +425,7 @@ mod tests {
         assert_eq!(pooled.learned.rates[1].busy_ms, 1000.0);
         assert_eq!(pooled.learned.rates[1].work_tokens, 500.0);
         assert_eq!(pooled.growth.continuations, 1.0);
-        assert_eq!(a.take_stats().observations, 1);
+        assert_eq!(a.take_counts().observations, 1);
     }
 
     #[test]
@@ -456,8 +437,8 @@ mod tests {
             a.acquire(&host, 0, &work(10), 0);
             a.first_byte(&host, 0, 10, Some(observation(elapsed)), &config, 1);
         }
-        let stats = a.take_stats();
-        assert_eq!((stats.observations, stats.refused_observations), (0, 4));
+        let counts = a.take_counts();
+        assert_eq!((counts.observations, counts.refused_observations), (0, 4));
         assert_eq!(a.totals(&host, 1).learned.rates[0], PrefillRate::default());
     }
 
@@ -517,9 +498,9 @@ mod tests {
         host.force_mismatches(2);
         b.acquire(&host, 0, &work(0), 0);
         assert!(b.slot().is_some());
-        assert_eq!(b.take_stats(), LedgerStats::default());
+        assert_eq!(b.take_counts(), LedgerCounts::default());
         // A peer configured with other endpoints: only the shared ids add up.
-        let mut other = Ledger::new(vec![22, 99], STALE);
+        let mut other = Ledger::new(EndpointIds::from_ids(vec![22, 99]), STALE);
         other.acquire(&host, 0, &work(0), 0);
         other.acquire(&host, 1, &work(0), 0);
         a.tick(&host, 1);

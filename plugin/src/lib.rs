@@ -4,16 +4,16 @@
 //! test natively: [`codec`] (shared-data value layouts), [`shared`] (the CAS key-value
 //! abstraction), [`store`] (the prefix index in shared data), [`window`] (how far its stamps reach), [`ledger`] (per-worker
 //! in-flight requests, prefill work and what was learned from first bytes), [`pbstruct`] (Struct configurations), [`scrape`] (scrape lease and results), [`fallback`], [`settings`],
-//! [`stats`] and [`engine`], which ties them together. The proxy-wasm contexts (`root`,
+//! [`stats`] and [`scheduler`], which ties them together. The proxy-wasm contexts (`root`,
 //! `http`) and the raw host calls (`abi`, `host`) are compiled for wasm only.
 //!
 //! See `plugin/README.md` for the design, the shared-data layout and the Envoy configuration.
 
 pub mod codec;
-pub mod engine;
 pub mod fallback;
 pub mod ledger;
 pub mod pbstruct;
+pub mod scheduler;
 pub mod scrape;
 pub mod settings;
 pub mod shared;

@@ -1,5 +1,5 @@
 //! The root context: one per VM instance (each Envoy worker, plus the main thread). It owns the
-//! engine, loads the configuration, ticks (heartbeat, reaping, scrape leases) and receives the
+//! scheduler, loads the configuration, ticks (heartbeat, reaping, scrape leases) and receives the
 //! scrape callouts' responses.
 
 use std::cell::RefCell;
@@ -7,29 +7,29 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::ContextType;
+use proxy_wasm::types::{BufferType, ContextType, MapType};
 
 use crate::abi;
-use crate::engine::Engine;
 use crate::host::{self, HostShared, Metrics};
 use crate::http::Filter;
+use crate::scheduler::Scheduler;
 use crate::settings::load_config;
 
-pub type SharedEngine = Rc<RefCell<Engine<HostShared>>>;
+pub type SharedScheduler = Rc<RefCell<Scheduler<HostShared>>>;
 
-/// Drains the engine's events into Envoy stats.
-pub fn flush(engine: &mut Engine<HostShared>, metrics: &RefCell<Metrics>) {
-    let events = engine.drain_events();
+/// Drains the scheduler's events into Envoy stats.
+pub fn flush(scheduler: &mut Scheduler<HostShared>, metrics: &RefCell<Metrics>) {
+    let events = scheduler.drain_events();
     if events.is_empty() {
         return;
     }
     if let Ok(mut m) = metrics.try_borrow_mut() {
-        m.record(&events, engine.stat_names());
+        m.record(&events, scheduler.stat_names());
     }
 }
 
 pub struct PluginRoot {
-    engine: Option<SharedEngine>,
+    scheduler: Option<SharedScheduler>,
     metrics: Rc<RefCell<Metrics>>,
     /// Warn about an unusable scrape cluster once, not every tick.
     dispatch_warned: bool,
@@ -38,16 +38,16 @@ pub struct PluginRoot {
 impl PluginRoot {
     pub fn new(_context_id: u32) -> Self {
         PluginRoot {
-            engine: None,
+            scheduler: None,
             metrics: Rc::new(RefCell::new(Metrics::default())),
             dispatch_warned: false,
         }
     }
 
-    fn scrape(&mut self, engine: &SharedEngine, now: u64) {
-        // Collect the callouts first and dispatch without holding the engine borrow.
+    fn scrape(&mut self, scheduler: &SharedScheduler, now: u64) {
+        // Collect the callouts first and dispatch without holding the scheduler borrow.
         let (cluster, timeout, jobs) = {
-            let Ok(mut e) = engine.try_borrow_mut() else {
+            let Ok(mut e) = scheduler.try_borrow_mut() else {
                 return;
             };
             let due = e.tick(now);
@@ -77,7 +77,7 @@ impl PluginRoot {
                 vec![],
                 Duration::from_millis(timeout),
             );
-            let Ok(mut e) = engine.try_borrow_mut() else {
+            let Ok(mut e) = scheduler.try_borrow_mut() else {
                 continue;
             };
             match sent {
@@ -94,7 +94,7 @@ impl PluginRoot {
                 }
             }
         }
-        if let Ok(mut e) = engine.try_borrow_mut() {
+        if let Ok(mut e) = scheduler.try_borrow_mut() {
             flush(&mut e, &self.metrics);
         }
     }
@@ -108,14 +108,14 @@ impl Context for PluginRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some(engine) = self.engine.clone() else {
+        let Some(scheduler) = self.scheduler.clone() else {
             return;
         };
         // No headers at all: Envoy reports a reset or connection failure this way.
         let status = if num_headers == 0 {
             None
         } else {
-            abi::get_header_string(abi::CALL_RESPONSE_HEADERS, ":status")
+            abi::get_header_string(MapType::HttpCallResponseHeaders, ":status")
                 .ok()
                 .flatten()
                 .and_then(|s| s.trim().parse::<u32>().ok())
@@ -123,12 +123,12 @@ impl Context for PluginRoot {
         let body = if body_size == 0 {
             Vec::new()
         } else {
-            abi::get_buffer(abi::CALL_RESPONSE_BODY, 0, body_size)
+            abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
                 .ok()
                 .flatten()
                 .unwrap_or_default()
         };
-        let Ok(mut e) = engine.try_borrow_mut() else {
+        let Ok(mut e) = scheduler.try_borrow_mut() else {
             return;
         };
         let now = abi::now_ms();
@@ -157,10 +157,14 @@ impl Context for PluginRoot {
 
 impl RootContext for PluginRoot {
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
-        let raw = abi::get_buffer(abi::PLUGIN_CONFIGURATION, 0, plugin_configuration_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let raw = abi::get_buffer(
+            BufferType::PluginConfiguration,
+            0,
+            plugin_configuration_size,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
         let config = match load_config(&raw) {
             Ok(c) => c,
             Err(err) => {
@@ -168,12 +172,12 @@ impl RootContext for PluginRoot {
                 return false;
             }
         };
-        let engine = Engine::new(HostShared, config);
-        let tick = engine.tick_ms();
+        let scheduler = Scheduler::new(HostShared, config);
+        let tick = scheduler.tick_ms();
         if abi::set_tick_period_ms(u32::try_from(tick).unwrap_or(u32::MAX)).is_err() {
             host::warn("prefixroute: the host refused a tick period; metrics will not be scraped");
         }
-        let c = engine.config();
+        let c = scheduler.config();
         host::info(&format!(
             "prefixroute: {} endpoints, policy {}, destination header {}, scrape {} every {} ms \
              via cluster {:?} (tick {} ms, index table 2^{} buckets)",
@@ -184,22 +188,22 @@ impl RootContext for PluginRoot {
             c.scrape.interval_ms,
             c.scrape.cluster,
             tick,
-            engine.table_bits(),
+            scheduler.table_bits(),
         ));
-        self.engine = Some(Rc::new(RefCell::new(engine)));
+        self.scheduler = Some(Rc::new(RefCell::new(scheduler)));
         true
     }
 
     fn on_tick(&mut self) {
-        if let Some(engine) = self.engine.clone() {
-            self.scrape(&engine, abi::now_ms());
+        if let Some(scheduler) = self.scheduler.clone() {
+            self.scrape(&scheduler, abi::now_ms());
         }
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         // Never None: the SDK panics on None.
         Some(Box::new(Filter::new(
-            self.engine.clone(),
+            self.scheduler.clone(),
             self.metrics.clone(),
         )))
     }

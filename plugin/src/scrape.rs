@@ -14,11 +14,10 @@
 //! that comes back up, or whose `prefix_cache_queries_total` went backwards, has restarted with
 //! an empty cache: its index window is advanced past everything recorded (forgotten).
 
-use prefixroute_core::metrics::{parse_vllm, EngineMetrics};
+use prefixroute_core::metrics::{parse_vllm, ServerMetrics};
 
 use crate::codec::EndpointState;
-use crate::shared::{cas_update, CasOutcome, SetError, SharedData};
-use crate::store::CAS_ATTEMPTS;
+use crate::shared::{cas_update, read_or_default, CasOutcome, SetError, SharedData};
 
 /// Outcome of trying to take an endpoint's scrape lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +33,9 @@ pub enum Claim {
 
 /// The endpoint record at `key` (default when absent or unreadable).
 pub fn read(host: &impl SharedData, key: &str) -> EndpointState {
-    match host.get(key) {
-        Ok(Some((bytes, _))) => EndpointState::decode(&bytes).unwrap_or_default(),
-        _ => EndpointState::default(),
-    }
+    read_or_default(host, key, EndpointState::decode)
+        .map(|read| read.value)
+        .unwrap_or_default()
 }
 
 /// Takes the scrape lease of the endpoint whose record is at `key` if it is due. Also returns
@@ -48,9 +46,8 @@ pub fn try_claim(
     now_ms: u64,
     interval_ms: u64,
 ) -> (Claim, EndpointState) {
-    let (state, cas) = match host.get(key) {
-        Ok(Some((bytes, cas))) => (EndpointState::decode(&bytes).unwrap_or_default(), cas),
-        Ok(None) => (EndpointState::default(), 0),
+    let (state, cas) = match read_or_default(host, key, EndpointState::decode) {
+        Ok(read) => (read.value, read.cas),
         Err(status) => return (Claim::HostError(status), EndpointState::default()),
     };
     if now_ms < state.next_scrape_ms {
@@ -78,7 +75,7 @@ pub fn try_claim(
 #[derive(Debug, Clone, PartialEq)]
 pub enum Observation {
     /// HTTP 200 with a page that parsed.
-    Metrics(EngineMetrics),
+    Metrics(ServerMetrics),
     /// HTTP 200, but the page is not Prometheus text: the endpoint is up but unmeasured.
     Unparseable,
     /// Non-200, timeout, reset or connection failure.
@@ -119,7 +116,7 @@ pub struct Transition {
 
 /// The cache a scrape reports, in tokens: `num_gpu_blocks × block_size`, or `None` when
 /// either is missing or zero (vLLM reports "None" blocks before its memory profile).
-pub fn reported_capacity_tokens(metrics: &EngineMetrics) -> Option<u64> {
+pub fn reported_capacity_tokens(metrics: &ServerMetrics) -> Option<u64> {
     let blocks = metrics.num_gpu_blocks.filter(|&b| b > 0)?;
     let block_size = metrics.block_size.filter(|&b| b > 0)?;
     Some(blocks.saturating_mul(u64::from(block_size)))
@@ -202,7 +199,7 @@ pub fn fresh_metrics(
     state: &EndpointState,
     now_ms: u64,
     stale_after_ms: u64,
-) -> Option<&EngineMetrics> {
+) -> Option<&ServerMetrics> {
     state
         .metrics
         .as_ref()
@@ -223,7 +220,6 @@ pub fn record(
     let outcome = cas_update(
         host,
         key,
-        CAS_ATTEMPTS,
         EndpointState::decode,
         EndpointState::encode,
         |current| {
@@ -357,16 +353,16 @@ mod tests {
         assert_eq!(capacity_blocks(&s, 16, 50), 50);
         assert_eq!(capacity_blocks(&EndpointState::default(), 16, 50), 50);
         // "None" blocks (before vLLM's memory profile) and zero sizes report nothing.
-        let unprofiled = EngineMetrics {
+        let unprofiled = ServerMetrics {
             num_gpu_blocks: Some(0),
             block_size: Some(16),
-            ..EngineMetrics::default()
+            ..ServerMetrics::default()
         };
         assert_eq!(reported_capacity_tokens(&unprofiled), None);
-        let huge = EngineMetrics {
+        let huge = ServerMetrics {
             num_gpu_blocks: Some(u64::MAX),
             block_size: Some(16),
-            ..EngineMetrics::default()
+            ..ServerMetrics::default()
         };
         assert_eq!(reported_capacity_tokens(&huge), Some(u64::MAX));
     }

@@ -51,7 +51,44 @@ pub fn instance_key(slot: u32) -> String {
     format!("prefixroute/ledger/{slot}")
 }
 
-/// Result of [`cas_update`].
+/// Read-modify-write attempts before giving up (the caller counts a give-up). A lost race
+/// means another worker wrote the key between our read and our write; eight losses in a row
+/// only happen under a storm of writes to one key, where dropping one update is the lesser harm
+/// (every shared value is a belief or a counter that the next request or tick corrects).
+pub const CAS_ATTEMPTS: u32 = 8;
+
+/// A value as read, with the CAS token to write it back with (0: the key was absent, and the
+/// write creates it; Envoy ignores the CAS then).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub cas: u32,
+}
+
+/// The value at `key`, or the default when the key is absent or its bytes do not decode (a
+/// value of another layout, or corrupt: the next write replaces it). `Err(status)` on any other
+/// host status.
+// Inlined so that the record lands where the caller keeps it: in wasm every copy of a
+// record is a `memory.copy` of its bytes (measured with the host-tests cost table).
+#[inline(always)]
+pub fn read_or_default<T: Default, H: SharedData + ?Sized>(
+    host: &H,
+    key: &str,
+    decode: impl Fn(&[u8]) -> Option<T>,
+) -> Result<Versioned<T>, u32> {
+    Ok(match host.get(key)? {
+        Some((bytes, cas)) => Versioned {
+            value: decode(&bytes).unwrap_or_default(),
+            cas,
+        },
+        None => Versioned {
+            value: T::default(),
+            cas: 0,
+        },
+    })
+}
+
+/// Result of [`read_modify_write`] and [`cas_update`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum CasOutcome<T> {
     Written(T),
@@ -63,33 +100,137 @@ pub enum CasOutcome<T> {
     HostError(u32),
 }
 
-/// Read-modify-write with bounded retries. `update` sees the current value (`None` when absent
-/// or unreadable) and returns the value to write, or `None` to leave it. A lost race re-reads
-/// and re-applies; after `attempts` losses it gives up (the caller counts that).
-pub fn cas_update<T, H: SharedData + ?Sized>(
-    host: &H,
-    key: &str,
+/// The one read-modify-write loop of the plugin, for values read through a cache as well as
+/// straight from the host. `read(retry)` returns the current value and its CAS token (`retry`:
+/// the previous attempt lost a race, so anything cached is stale); `update` returns the value
+/// to write, or `None` to leave it; `write` sends it with the token. A lost race re-reads and
+/// re-applies; after `attempts` losses it gives up.
+pub fn read_modify_write<T>(
     attempts: u32,
-    decode: impl Fn(&[u8]) -> Option<T>,
-    encode: impl Fn(&T) -> Vec<u8>,
-    mut update: impl FnMut(Option<T>) -> Option<T>,
+    mut read: impl FnMut(bool) -> Result<Versioned<T>, u32>,
+    mut update: impl FnMut(T) -> Option<T>,
+    mut write: impl FnMut(&T, u32) -> Result<(), SetError>,
 ) -> CasOutcome<T> {
-    for _ in 0..attempts.max(1) {
-        let (current, cas) = match host.get(key) {
-            Ok(Some((bytes, cas))) => (decode(&bytes), cas),
-            Ok(None) => (None, 0),
+    for attempt in 0..attempts.max(1) {
+        let current = match read(attempt > 0) {
+            Ok(current) => current,
             Err(status) => return CasOutcome::HostError(status),
         };
-        let Some(next) = update(current) else {
+        let Some(next) = update(current.value) else {
             return CasOutcome::Unchanged;
         };
-        match host.set(key, &encode(&next), cas) {
+        match write(&next, current.cas) {
             Ok(()) => return CasOutcome::Written(next),
             Err(SetError::CasMismatch) => continue,
             Err(SetError::Host(status)) => return CasOutcome::HostError(status),
         }
     }
     CasOutcome::GaveUp
+}
+
+/// [`read_modify_write`] of one key straight from the host, [`CAS_ATTEMPTS`] times at most.
+/// `update` sees the current value (`None` when absent or unreadable).
+pub fn cas_update<T, H: SharedData + ?Sized>(
+    host: &H,
+    key: &str,
+    decode: impl Fn(&[u8]) -> Option<T>,
+    encode: impl Fn(&T) -> Vec<u8>,
+    mut update: impl FnMut(Option<T>) -> Option<T>,
+) -> CasOutcome<T> {
+    let outcome = read_modify_write(
+        CAS_ATTEMPTS,
+        |_| read_or_default(host, key, |bytes| Some(decode(bytes))),
+        |current| update(current).map(Some),
+        |next: &Option<T>, cas| match next {
+            Some(value) => host.set(key, &encode(value), cas),
+            None => Ok(()),
+        },
+    );
+    match outcome {
+        CasOutcome::Written(Some(value)) => CasOutcome::Written(value),
+        CasOutcome::Written(None) | CasOutcome::Unchanged => CasOutcome::Unchanged,
+        CasOutcome::GaveUp => CasOutcome::GaveUp,
+        CasOutcome::HostError(status) => CasOutcome::HostError(status),
+    }
+}
+
+/// What shared-data operations went wrong, counted where they happen and drained into the
+/// `shared_data.*` stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedDataErrors {
+    /// Read-modify-writes that lost every race.
+    pub cas_give_ups: u32,
+    /// Gets and sets the host refused.
+    pub host_errors: u32,
+}
+
+impl SharedDataErrors {
+    /// Counts what went wrong in `outcome`, and returns its written value.
+    pub fn settle<T>(&mut self, outcome: CasOutcome<T>) -> Option<T> {
+        match outcome {
+            CasOutcome::Written(value) => return Some(value),
+            CasOutcome::Unchanged => {}
+            CasOutcome::GaveUp => self.cas_give_ups += 1,
+            CasOutcome::HostError(_) => self.host_errors += 1,
+        }
+        None
+    }
+
+    pub fn add(&mut self, other: SharedDataErrors) {
+        self.cas_give_ups += other.cas_give_ups;
+        self.host_errors += other.host_errors;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == SharedDataErrors::default()
+    }
+}
+
+/// Endpoint ids by index and back. An id is the xxh64 of the endpoint's `ip:port`, so shared
+/// values name endpoints stably across reconfigurations that reorder, add or remove them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointIds {
+    ids: Vec<u64>,
+    /// (id, index) sorted by id.
+    by_id: Vec<(u64, usize)>,
+}
+
+impl EndpointIds {
+    pub fn new(addresses: &[String]) -> Self {
+        Self::from_ids(addresses.iter().map(|a| endpoint_id(a)).collect())
+    }
+
+    pub fn from_ids(ids: Vec<u64>) -> Self {
+        let mut by_id: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
+        by_id.sort_unstable();
+        EndpointIds { ids, by_id }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The id of endpoint `index`.
+    pub fn id(&self, index: usize) -> Option<u64> {
+        self.ids.get(index).copied()
+    }
+
+    /// The index of the endpoint with `id`, if it is one of ours.
+    pub fn index(&self, id: u64) -> Option<usize> {
+        self.by_id
+            .binary_search_by_key(&id, |&(id, _)| id)
+            .ok()
+            .map(|pos| self.by_id[pos].1)
+    }
+}
+
+/// Stable id of an endpoint address in shared values (see [`EndpointIds`]).
+pub fn endpoint_id(address: &str) -> u64 {
+    xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
 }
 
 /// In-memory shared data with Envoy's semantics, for tests and simulations. Clones share the
@@ -202,22 +343,72 @@ mod tests {
     fn cas_update_retries_then_gives_up() {
         let h = MemShared::new();
         let add = |v: Option<u32>| Some(v.unwrap_or(0) + 1);
-        assert_eq!(
-            cas_update(&h, "n", 3, dec, enc, add),
-            CasOutcome::Written(1)
-        );
-        h.force_mismatches(2);
-        assert_eq!(
-            cas_update(&h, "n", 3, dec, enc, add),
-            CasOutcome::Written(2)
-        );
-        h.force_mismatches(3);
-        assert_eq!(cas_update(&h, "n", 3, dec, enc, add), CasOutcome::GaveUp);
+        assert_eq!(cas_update(&h, "n", dec, enc, add), CasOutcome::Written(1));
+        h.force_mismatches(CAS_ATTEMPTS - 1);
+        assert_eq!(cas_update(&h, "n", dec, enc, add), CasOutcome::Written(2));
+        h.force_mismatches(CAS_ATTEMPTS);
+        assert_eq!(cas_update(&h, "n", dec, enc, add), CasOutcome::GaveUp);
         assert_eq!(dec(&h.value("n").unwrap()), Some(2));
         assert_eq!(
-            cas_update(&h, "n", 3, dec, enc, |_| None),
+            cas_update(&h, "n", dec, enc, |_| None),
             CasOutcome::Unchanged
         );
+    }
+
+    #[test]
+    fn read_modify_write_rereads_after_a_lost_race_and_only_then() {
+        let h = MemShared::new();
+        h.set("n", &enc(&5), 0).unwrap();
+        let mut retries = Vec::new();
+        h.force_mismatches(2);
+        let outcome = read_modify_write(
+            4,
+            |retry| {
+                retries.push(retry);
+                read_or_default(&h, "n", dec)
+            },
+            |v| Some(v + 1),
+            |v, cas| h.set("n", &enc(v), cas),
+        );
+        assert_eq!(outcome, CasOutcome::Written(6));
+        assert_eq!(retries, [false, true, true]);
+        let mut errors = SharedDataErrors::default();
+        assert_eq!(errors.settle(outcome), Some(6));
+        assert_eq!(errors.settle(CasOutcome::<u32>::GaveUp), None);
+        assert_eq!(errors.settle(CasOutcome::<u32>::HostError(1)), None);
+        assert_eq!(
+            errors,
+            SharedDataErrors {
+                cas_give_ups: 1,
+                host_errors: 1
+            }
+        );
+    }
+
+    #[test]
+    fn read_or_default_treats_absent_and_garbled_values_as_the_default() {
+        let h = MemShared::new();
+        assert_eq!(
+            read_or_default(&h, "n", dec),
+            Ok(Versioned { value: 0, cas: 0 })
+        );
+        h.set("n", b"garbled", 0).unwrap();
+        let read = read_or_default(&h, "n", dec).unwrap();
+        assert_eq!(read.value, 0);
+        assert_ne!(
+            read.cas, 0,
+            "the garbled value's token, so a write replaces it"
+        );
+    }
+
+    #[test]
+    fn endpoint_ids_map_both_ways_and_ignore_foreign_ids() {
+        let ids = EndpointIds::new(&["10.0.0.2:8000".to_string(), "10.0.0.1:8000".to_string()]);
+        assert_eq!(ids.len(), 2);
+        assert_eq!(ids.id(1), Some(endpoint_id("10.0.0.1:8000")));
+        assert_eq!(ids.index(endpoint_id("10.0.0.2:8000")), Some(0));
+        assert_eq!(ids.index(endpoint_id("10.0.0.3:8000")), None);
+        assert_eq!(ids.id(2), None);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What the plugin counts, and the Envoy stat names it counts under.
 //!
-//! The engine emits [`Event`]s; the proxy-wasm glue turns each into metric updates with
+//! The scheduler emits [`Event`]s; the proxy-wasm glue turns each into metric updates with
 //! [`updates`] and applies them with `define_metric` / `increment_metric` / `record_metric`.
 //! Envoy exposes wasm metrics with a `wasmcustom.` prefix, e.g.
 //! `wasmcustom.prefixroute.routed.prefix.replica-1`.

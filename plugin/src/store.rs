@@ -34,7 +34,10 @@ use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
-use crate::shared::{bucket_key, endpoint_key, SetError, SharedData};
+use crate::shared::{
+    bucket_key, endpoint_key, read_modify_write, read_or_default, EndpointIds, SharedData,
+    SharedDataErrors, Versioned, CAS_ATTEMPTS,
+};
 use crate::window::DeadStamps;
 
 /// Entries per bucket. With the table sized for half load, a bucket overflows rarely
@@ -44,8 +47,6 @@ pub const WAYS: usize = 8;
 pub const MAX_HOLDERS: usize = 16;
 pub const MIN_TABLE_BITS: u32 = 8;
 pub const MAX_TABLE_BITS: u32 = 18;
-/// CAS attempts per write before giving up (and counting it).
-pub const CAS_ATTEMPTS: u32 = 8;
 
 /// log2 of the bucket count: room for every endpoint's full capacity at half load.
 pub fn table_bits(endpoints: usize, capacity_blocks: usize) -> u32 {
@@ -162,13 +163,6 @@ pub fn apply_updates(
     }
 }
 
-/// Counters a request's store operations produced, drained by the engine into metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StoreStats {
-    pub cas_give_ups: u32,
-    pub host_errors: u32,
-}
-
 /// A cached value with what we know of its CAS token.
 #[derive(Debug, Clone)]
 struct Slot<T> {
@@ -178,6 +172,16 @@ struct Slot<T> {
     cas: Option<u32>,
 }
 
+impl<T> From<Versioned<T>> for Slot<T> {
+    #[inline(always)]
+    fn from(read: Versioned<T>) -> Self {
+        Slot {
+            value: read.value,
+            cas: Some(read.cas),
+        }
+    }
+}
+
 /// Per-request read cache, and the request's index writes, applied to the cached buckets at
 /// once (so the request reads its own writes) and sent to shared data by `end_request`.
 #[derive(Debug, Default)]
@@ -185,17 +189,14 @@ struct Cache {
     states: BTreeMap<usize, Slot<EndpointState>>,
     buckets: BTreeMap<u64, Slot<Bucket>>,
     pending: BTreeMap<u64, Vec<Update>>,
-    stats: StoreStats,
+    errors: SharedDataErrors,
 }
 
 /// [`PrefixStore`] over shared data (see the module docs).
 #[derive(Debug)]
 pub struct SharedIndex<H: SharedData> {
     host: H,
-    /// Endpoint ids (xxh64 of `ip:port`), by endpoint index.
-    ids: Vec<u64>,
-    /// (id, index) sorted by id, to resolve holders.
-    by_id: Vec<(u64, usize)>,
+    ids: EndpointIds,
     state_keys: Vec<String>,
     /// The configured capacity (what the table is sized for).
     capacity: u64,
@@ -206,24 +207,14 @@ pub struct SharedIndex<H: SharedData> {
     cache: RefCell<Cache>,
 }
 
-/// Stable id of an endpoint address in shared values: beliefs follow the address across
-/// reconfigurations that reorder, add or remove endpoints.
-pub fn endpoint_id(address: &str) -> u64 {
-    xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
-}
-
 impl<H: SharedData> SharedIndex<H> {
     pub fn new(host: H, addresses: &[String], capacity_blocks: usize) -> Self {
-        let ids: Vec<u64> = addresses.iter().map(|a| endpoint_id(a)).collect();
-        let mut by_id: Vec<(u64, usize)> = ids.iter().copied().zip(0..).collect();
-        by_id.sort_unstable();
         let capacity = capacity_blocks.max(1) as u64;
         SharedIndex {
             host,
             state_keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
-            by_id,
-            capacities: vec![capacity; ids.len()],
-            ids,
+            capacities: vec![capacity; addresses.len()],
+            ids: EndpointIds::new(addresses),
             capacity,
             bits: table_bits(addresses.len(), capacity_blocks),
             cache: RefCell::new(Cache::default()),
@@ -254,8 +245,9 @@ impl<H: SharedData> SharedIndex<H> {
     /// positions re-stamps left inside it (see `window`).
     fn window(&self, endpoint: usize) -> u64 {
         let capacity = self.endpoint_capacity(endpoint);
-        let state = self.endpoint_state(endpoint);
-        state.dead.window(state.clock, state.window_start, capacity)
+        self.with_endpoint_state(endpoint, |state| {
+            state.dead.window(state.clock, state.window_start, capacity)
+        })
     }
 
     /// Forget cached reads: call before each request so it sees other workers' writes.
@@ -268,7 +260,7 @@ impl<H: SharedData> SharedIndex<H> {
 
     /// Sends the request's index writes (one CAS per bucket touched), drops the request's
     /// cache and returns the counters it produced.
-    pub fn end_request(&mut self) -> StoreStats {
+    pub fn end_request(&mut self) -> SharedDataErrors {
         let pending = std::mem::take(&mut self.cache.get_mut().pending);
         for (bucket, updates) in pending {
             self.write_bucket(bucket, &updates);
@@ -276,92 +268,140 @@ impl<H: SharedData> SharedIndex<H> {
         let cache = self.cache.get_mut();
         cache.states.clear();
         cache.buckets.clear();
-        std::mem::take(&mut cache.stats)
+        std::mem::take(&mut cache.errors)
     }
 
     /// The endpoint's shared record as read during this request (loaded on first use;
     /// missing or unreadable = default).
     pub fn endpoint_state(&self, endpoint: usize) -> EndpointState {
-        self.load_state(endpoint)
-            .map(|s| s.value)
-            .unwrap_or_default()
+        match self.load_state(endpoint, false) {
+            Ok(slot) => slot.value,
+            Err(status) => self.note_read_error(status),
+        }
+    }
+
+    /// `f` of the endpoint's record as read during this request, without copying it (the
+    /// router reads a few fields of every endpoint's record for every request, and copies of
+    /// records are what a wasm instruction count sees).
+    pub fn with_endpoint_state<R>(
+        &self,
+        endpoint: usize,
+        f: impl FnOnce(&EndpointState) -> R,
+    ) -> R {
+        self.read_state(endpoint, false, f)
+    }
+
+    /// `f` of the cached record; `after_own_write`: a copy our own write left (its CAS token
+    /// unknown) serves too, else it is re-read.
+    fn read_state<R>(
+        &self,
+        endpoint: usize,
+        after_own_write: bool,
+        f: impl FnOnce(&EndpointState) -> R,
+    ) -> R {
+        {
+            let cache = self.cache.borrow();
+            if let Some(slot) = cache.states.get(&endpoint) {
+                if after_own_write || slot.cas.is_some() {
+                    return f(&slot.value);
+                }
+            }
+        }
+        if let Err(status) = self.fetch_state(endpoint) {
+            self.note_read_error::<()>(status);
+            return f(&EndpointState::default());
+        }
+        let cache = self.cache.borrow();
+        match cache.states.get(&endpoint) {
+            Some(slot) => f(&slot.value),
+            None => f(&EndpointState::default()),
+        }
     }
 
     fn bucket_of(&self, hash: u64) -> u64 {
         hash & ((1u64 << self.bits) - 1)
     }
 
-    fn note_host_error(&self) {
-        self.cache.borrow_mut().stats.host_errors += 1;
+    /// Counts a failed read, which then reads as the default (nothing believed).
+    fn note_read_error<T: Default>(&self, _status: u32) -> T {
+        self.cache.borrow_mut().errors.host_errors += 1;
+        T::default()
     }
 
-    fn load_state(&self, endpoint: usize) -> Option<Slot<EndpointState>> {
-        let key = self.state_keys.get(endpoint)?;
-        if let Some(slot) = self.cache.borrow().states.get(&endpoint) {
-            if slot.cas.is_some() {
-                return Some(slot.clone());
-            }
+    /// The endpoint's record through the request cache. The cached copy serves unless our own
+    /// write made its CAS token unknown or `stale` (a lost race) says another worker wrote it.
+    /// An endpoint index out of range reads as the default and is never written.
+    fn load_state(&self, endpoint: usize, stale: bool) -> Result<Slot<EndpointState>, u32> {
+        if stale {
+            self.forget_cas(&mut self.cache.borrow_mut().states, endpoint);
         }
-        let slot = match self.host.get(key) {
-            Ok(Some((bytes, cas))) => Slot {
-                value: EndpointState::decode(&bytes).unwrap_or_default(),
-                cas: Some(cas),
-            },
-            Ok(None) => Slot {
-                value: EndpointState::default(),
-                cas: Some(0),
-            },
-            Err(_) => {
-                self.note_host_error();
-                return None;
-            }
-        };
-        self.cache
-            .borrow_mut()
+        let usable =
+            matches!(self.cache.borrow().states.get(&endpoint), Some(slot) if slot.cas.is_some());
+        if !usable {
+            self.fetch_state(endpoint)?;
+        }
+        Ok(self
+            .cache
+            .borrow()
             .states
-            .insert(endpoint, slot.clone());
-        Some(slot)
+            .get(&endpoint)
+            .cloned()
+            .unwrap_or(Slot {
+                value: EndpointState::default(),
+                cas: None,
+            }))
+    }
+
+    /// Reads the endpoint's record from shared data into the request cache. An endpoint index
+    /// out of range has no record: nothing is cached, and it reads as the default.
+    fn fetch_state(&self, endpoint: usize) -> Result<(), u32> {
+        let Some(key) = self.state_keys.get(endpoint) else {
+            return Ok(());
+        };
+        let slot = Slot::from(read_or_default(&self.host, key, EndpointState::decode)?);
+        self.cache.borrow_mut().states.insert(endpoint, slot);
+        Ok(())
+    }
+
+    /// Marks a cached copy as of unknown CAS token (another worker wrote the key since), so
+    /// the next read-modify-write re-reads it. Cheaper than removing it from the map (the
+    /// `.wasm` then carries no B-tree removal at all). A give-up leaves the last read cached:
+    /// the rest of this request sees it, the next request re-reads.
+    fn forget_cas<K: Ord, T>(&self, cached: &mut BTreeMap<K, Slot<T>>, key: K) {
+        if let Some(slot) = cached.get_mut(&key) {
+            slot.cas = None;
+        }
     }
 
     /// The endpoint's clock without forcing a re-read after our own write.
     fn clock(&self, endpoint: usize) -> u64 {
-        if let Some(slot) = self.cache.borrow().states.get(&endpoint) {
-            return slot.value.clock;
-        }
-        self.load_state(endpoint).map_or(0, |s| s.value.clock)
+        self.read_state(endpoint, true, |state| state.clock)
     }
 
-    /// Reads a bucket from shared data into the request cache (replacing what was cached).
-    fn fetch_bucket(&self, bucket: u64) -> Option<()> {
-        let slot = match self.host.get(&bucket_key(self.bits, bucket)) {
-            Ok(Some((bytes, cas))) => Slot {
-                value: Bucket::decode(&bytes).unwrap_or_default(),
-                cas: Some(cas),
-            },
-            Ok(None) => Slot {
-                value: Bucket::default(),
-                cas: Some(0),
-            },
-            Err(_) => {
-                self.note_host_error();
-                return None;
-            }
-        };
+    /// Reads a bucket from shared data into the request cache (replacing what was cached),
+    /// without copying it: the hot read path only looks into the cached copy.
+    fn fetch_bucket(&self, bucket: u64) -> Result<(), u32> {
+        let key = bucket_key(self.bits, bucket);
+        let slot = Slot::from(read_or_default(&self.host, &key, Bucket::decode)?);
         self.cache.borrow_mut().buckets.insert(bucket, slot);
-        Some(())
+        Ok(())
     }
 
     /// A copy of the bucket for a read-modify-write; `fresh_cas` re-reads it if our own write
-    /// made the cached CAS token unknown.
-    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Option<Slot<Bucket>> {
-        let cached = match self.cache.borrow().buckets.get(&bucket) {
+    /// made the cached CAS token unknown (or a lost race made it stale).
+    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Result<Slot<Bucket>, u32> {
+        let usable = match self.cache.borrow().buckets.get(&bucket) {
             Some(slot) => !fresh_cas || slot.cas.is_some(),
             None => false,
         };
-        if !cached {
+        if !usable {
             self.fetch_bucket(bucket)?;
         }
-        self.cache.borrow().buckets.get(&bucket).cloned()
+        let cache = self.cache.borrow();
+        Ok(cache.buckets.get(&bucket).cloned().unwrap_or(Slot {
+            value: Bucket::default(),
+            cas: Some(0),
+        }))
     }
 
     /// Reads go through the cache without copying the bucket: `longest_match` asks every
@@ -369,7 +409,9 @@ impl<H: SharedData> SharedIndex<H> {
     fn holder(&self, hash: u64, endpoint_id: u64) -> Option<Holder> {
         let bucket = self.bucket_of(hash);
         if !self.cache.borrow().buckets.contains_key(&bucket) {
-            self.fetch_bucket(bucket)?;
+            if let Err(status) = self.fetch_bucket(bucket) {
+                return self.note_read_error::<Option<Holder>>(status);
+            }
         }
         self.cache
             .borrow()
@@ -422,10 +464,9 @@ impl<H: SharedData> SharedIndex<H> {
     }
 
     fn freshness(&self, endpoint_id: u64, stamp: u64) -> Freshness {
-        match self.by_id.binary_search_by_key(&endpoint_id, |&(id, _)| id) {
-            Err(_) => Freshness::Foreign,
-            Ok(pos) => {
-                let endpoint = self.by_id[pos].1;
+        match self.ids.index(endpoint_id) {
+            None => Freshness::Foreign,
+            Some(endpoint) => {
                 let clock = self.clock(endpoint);
                 let capacity = self.window(endpoint);
                 let age = clock.saturating_sub(stamp);
@@ -452,54 +493,53 @@ impl<H: SharedData> SharedIndex<H> {
     ) -> Option<u64> {
         let key = self.state_keys.get(endpoint)?;
         let capacity = self.endpoint_capacity(endpoint);
-        for _ in 0..CAS_ATTEMPTS {
-            let slot = self.load_state(endpoint)?;
-            let mut next = slot.value;
-            let from = next.clock;
-            next.clock = next.clock.saturating_add(n);
-            if restart {
-                next.window_start = next.clock;
-                next.fill = 0;
-                next.dead = DeadStamps::default();
-                next.dead.fit(capacity, next.clock);
-            } else {
-                next.fill = next.fill.saturating_add(new);
-                next.dead.fit(capacity, from);
-                next.dead.advance(from, next.clock);
-                for &stamp in dead {
-                    next.dead.kill(stamp, next.clock);
+        let outcome = read_modify_write(
+            CAS_ATTEMPTS,
+            |stale| {
+                self.load_state(endpoint, stale).map(|slot| Versioned {
+                    value: slot.value,
+                    cas: slot.cas.unwrap_or(0),
+                })
+            },
+            |mut next: EndpointState| {
+                let from = next.clock;
+                next.clock = next.clock.saturating_add(n);
+                if restart {
+                    next.window_start = next.clock;
+                    next.fill = 0;
+                    next.dead = DeadStamps::default();
+                    next.dead.fit(capacity, next.clock);
+                } else {
+                    next.fill = next.fill.saturating_add(new);
+                    next.dead.fit(capacity, from);
+                    next.dead.advance(from, next.clock);
+                    for &stamp in dead {
+                        next.dead.kill(stamp, next.clock);
+                    }
                 }
-            }
-            match self.host.set(key, &next.encode(), slot.cas.unwrap_or(0)) {
-                Ok(()) => {
-                    let clock = next.clock;
-                    self.cache.borrow_mut().states.insert(
-                        endpoint,
-                        Slot {
-                            value: next,
-                            cas: None,
-                        },
-                    );
-                    return Some(clock);
-                }
-                Err(SetError::CasMismatch) => {
-                    self.cache.borrow_mut().states.remove(&endpoint);
-                }
-                Err(SetError::Host(_)) => {
-                    self.note_host_error();
-                    return None;
-                }
-            }
-        }
-        self.cache.borrow_mut().stats.cas_give_ups += 1;
-        None
+                Some(next)
+            },
+            |next, cas| self.host.set(key, &next.encode(), cas),
+        );
+        let next = self.cache.borrow_mut().errors.settle(outcome)?;
+        let clock = next.clock;
+        // Our write changed the token: the cached copy serves reads, and a later write re-reads.
+        self.cache.borrow_mut().states.insert(
+            endpoint,
+            Slot {
+                value: next,
+                cas: None,
+            },
+        );
+        Some(clock)
     }
 
     /// Applies `updates` to the cached bucket now (so this request reads its own writes) and
     /// queues them for `end_request`. The cached CAS token stays the one of our read.
     fn queue_updates(&self, bucket: u64, updates: Vec<Update>) {
-        let Some(slot) = self.load_bucket(bucket, false) else {
-            return;
+        let slot = match self.load_bucket(bucket, false) {
+            Ok(slot) => slot,
+            Err(status) => return self.note_read_error(status),
         };
         let mut value = slot.value;
         apply_updates(&mut value, &updates, WAYS, &|id, stamp| {
@@ -514,41 +554,43 @@ impl<H: SharedData> SharedIndex<H> {
 
     fn write_bucket(&self, bucket: u64, updates: &[Update]) {
         let key = bucket_key(self.bits, bucket);
-        for _ in 0..CAS_ATTEMPTS {
-            let Some(slot) = self.load_bucket(bucket, true) else {
-                return;
-            };
-            let mut next = slot.value;
-            apply_updates(&mut next, updates, WAYS, &|id, stamp| {
-                self.freshness(id, stamp)
-            });
-            match self.host.set(&key, &next.encode(), slot.cas.unwrap_or(0)) {
-                Ok(()) => {
-                    self.cache.borrow_mut().buckets.insert(
-                        bucket,
-                        Slot {
-                            value: next,
-                            cas: None,
-                        },
-                    );
-                    return;
+        let outcome = read_modify_write(
+            CAS_ATTEMPTS,
+            |stale| {
+                // After a lost race the cached copy is another worker's past: re-read.
+                if stale {
+                    self.forget_cas(&mut self.cache.borrow_mut().buckets, bucket);
                 }
-                Err(SetError::CasMismatch) => {
-                    self.cache.borrow_mut().buckets.remove(&bucket);
-                }
-                Err(SetError::Host(_)) => {
-                    self.note_host_error();
-                    return;
-                }
-            }
+                let slot = self.load_bucket(bucket, true)?;
+                Ok(Versioned {
+                    value: slot.value,
+                    cas: slot.cas.unwrap_or(0),
+                })
+            },
+            |mut next: Bucket| {
+                apply_updates(&mut next, updates, WAYS, &|id, stamp| {
+                    self.freshness(id, stamp)
+                });
+                Some(next)
+            },
+            |next, cas| self.host.set(&key, &next.encode(), cas),
+        );
+        let written = self.cache.borrow_mut().errors.settle(outcome);
+        if let Some(next) = written {
+            self.cache.borrow_mut().buckets.insert(
+                bucket,
+                Slot {
+                    value: next,
+                    cas: None,
+                },
+            );
         }
-        self.cache.borrow_mut().stats.cas_give_ups += 1;
     }
 }
 
 impl<H: SharedData> PrefixStore for SharedIndex<H> {
     fn longest_match(&self, endpoint: usize, chain: &[u64]) -> usize {
-        let Some(&id) = self.ids.get(endpoint) else {
+        let Some(id) = self.ids.id(endpoint) else {
             return 0;
         };
         self.probe(id, self.clock(endpoint), self.window(endpoint), chain)
@@ -556,7 +598,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
-        let Some(&id) = self.ids.get(endpoint) else {
+        let Some(id) = self.ids.id(endpoint) else {
             return;
         };
         let clock = self.clock(endpoint);
@@ -627,7 +669,9 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let capacity = self.endpoint_capacity(endpoint);
         // New blocks since the belief was emptied, up to the capacity: exactly core's LRU
         // size while the window holds, an approximation beyond (like the whole index).
-        let believed = self.endpoint_state(endpoint).fill.min(capacity);
+        let believed = self
+            .with_endpoint_state(endpoint, |state| state.fill)
+            .min(capacity);
         CacheRoom {
             capacity_blocks: capacity as usize,
             believed_blocks: believed as usize,
@@ -635,7 +679,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
     }
 
     fn mark_end(&mut self, endpoint: usize, hash: u64) {
-        let Some(&id) = self.ids.get(endpoint) else {
+        let Some(id) = self.ids.id(endpoint) else {
             return;
         };
         let bucket = self.bucket_of(hash);
@@ -678,7 +722,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
     }
 
     fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool {
-        let (Some(&id), Some(last)) = (self.ids.get(endpoint), matched.checked_sub(1)) else {
+        let (Some(id), Some(last)) = (self.ids.id(endpoint), matched.checked_sub(1)) else {
             return false;
         };
         chain
@@ -911,7 +955,7 @@ mod tests {
         let mut w2 = SharedIndex::new(host.clone(), &a, 100);
         w1.begin_request();
         w1.record(1, &[10, 11, 12]);
-        assert_eq!(w1.end_request(), StoreStats::default());
+        assert_eq!(w1.end_request(), SharedDataErrors::default());
         w2.begin_request();
         assert_eq!(w2.longest_match(1, &[10, 11, 12, 13]), 3);
         assert_eq!(w2.longest_match(0, &[10, 11]), 0);
@@ -1062,7 +1106,7 @@ mod tests {
         s.longest_match(0, &[1, 2]);
         host.force_mismatches(3);
         s.record(0, &[1, 2]);
-        assert_eq!(s.end_request(), StoreStats::default());
+        assert_eq!(s.end_request(), SharedDataErrors::default());
         s.begin_request();
         assert_eq!(s.longest_match(0, &[1, 2]), 2, "written after retries");
         host.force_mismatches(CAS_ATTEMPTS);

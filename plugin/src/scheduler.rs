@@ -1,4 +1,4 @@
-//! Everything the plugin decides, without proxy-wasm: the root context owns one `Engine` and
+//! Everything the plugin decides, without proxy-wasm: the root context owns one `Scheduler` and
 //! the HTTP contexts call into it. Time comes in as milliseconds and shared data through
 //! [`SharedData`], so the whole request/tick/scrape cycle runs in native tests, several
 //! "workers" sharing one [`crate::shared::MemShared`].
@@ -16,9 +16,12 @@ use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
 use crate::settings::{instance_stale_ms, tick_ms};
-use crate::shared::{calibration_key, cas_update, endpoint_key, CasOutcome, SharedData};
+use crate::shared::{
+    calibration_key, cas_update, endpoint_key, CasOutcome, EndpointIds, SharedData,
+    SharedDataErrors,
+};
 use crate::stats::{stat_token, Event, ScrapeEnd};
-use crate::store::{endpoint_id, SharedIndex, CAS_ATTEMPTS};
+use crate::store::SharedIndex;
 
 /// How a request's endpoint was chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,7 +69,7 @@ struct Pending {
     sent_ms: u64,
 }
 
-pub struct Engine<H: SharedData> {
+pub struct Scheduler<H: SharedData> {
     config: PluginConfig,
     stat_names: Vec<String>,
     keys: Vec<String>,
@@ -79,13 +82,13 @@ pub struct Engine<H: SharedData> {
     tick_ms: u64,
 }
 
-impl<H: SharedData> Engine<H> {
+impl<H: SharedData> Scheduler<H> {
     pub fn new(host: H, config: PluginConfig) -> Self {
         let addresses: Vec<String> = config.endpoints.iter().map(|e| e.address.clone()).collect();
         let router_config = config.router_config();
         let store = SharedIndex::new(host, &addresses, config.index_capacity_blocks);
         let tick = tick_ms(config.scrape.interval_ms);
-        Engine {
+        Scheduler {
             stat_names: config
                 .endpoints
                 .iter()
@@ -94,10 +97,7 @@ impl<H: SharedData> Engine<H> {
             keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             router: Router::with_store(router_config, addresses.len(), store),
             hash: router_config.hash,
-            ledger: Ledger::new(
-                addresses.iter().map(|a| endpoint_id(a)).collect(),
-                instance_stale_ms(tick),
-            ),
+            ledger: Ledger::new(EndpointIds::new(&addresses), instance_stale_ms(tick)),
             fallback_cursor: 0,
             pending: BTreeMap::new(),
             events: Vec::new(),
@@ -157,10 +157,21 @@ impl<H: SharedData> Engine<H> {
         let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
         let last_cold: Vec<Option<u64>> = (0..self.endpoints())
-            .map(|e| Some(self.router.store().endpoint_state(e).last_cold).filter(|&t| t > 0))
+            .map(|e| {
+                let last_cold = self
+                    .router
+                    .store()
+                    .with_endpoint_state(e, |state| state.last_cold);
+                Some(last_cold).filter(|&t| t > 0)
+            })
             .collect();
         self.router.set_last_cold(&last_cold);
-        let decision = self.router.pick(&hashes, &loads);
+        let Ok(decision) = self.router.pick(&hashes, &loads) else {
+            // No endpoints: configuration refuses that, so it is a bug; count it, route by the
+            // fallback (which leaves the request to Envoy's own policy) and go on.
+            self.router.store_mut().end_request();
+            return self.fallback(FallbackReason::Internal, now_ms);
+        };
         let endpoint = decision.endpoint;
         let prediction = self
             .router
@@ -168,8 +179,8 @@ impl<H: SharedData> Engine<H> {
         self.router.commit(&decision, &hashes);
         self.ledger
             .observe_growth(decision.continuation, decision.new_blocks());
-        let store_stats = self.router.store_mut().end_request();
-        self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
+        let errors = self.router.store_mut().end_request();
+        self.count_shared(errors);
         if decision.cold {
             self.publish_cold(endpoint);
         }
@@ -210,16 +221,20 @@ impl<H: SharedData> Engine<H> {
         let stale_after = self.config.scrape.stale_after_ms;
         (0..self.endpoints())
             .map(|e| {
-                let state = self.router.store().endpoint_state(e);
-                let capacity = scrape::capacity_blocks(
-                    &state,
-                    self.hash.block_size,
-                    self.config.index_capacity_blocks,
-                );
-                self.router
-                    .set_capacity(e, scaled_capacity(capacity, state.calibration));
-                let metrics = scrape::fresh_metrics(&state, now_ms, stale_after);
-                let mut load = estimate_load(metrics, pooled.work[e], state.down);
+                // Read off the shared record in place: a copy per endpoint per request shows.
+                let (capacity, mut load) = self.router.store().with_endpoint_state(e, |state| {
+                    let capacity = scrape::capacity_blocks(
+                        state,
+                        self.hash.block_size,
+                        self.config.index_capacity_blocks,
+                    );
+                    let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
+                    (
+                        scaled_capacity(capacity, state.calibration),
+                        estimate_load(metrics, pooled.work[e], state.down),
+                    )
+                });
+                self.router.set_capacity(e, capacity);
                 load.latency.ms_per_token = Some(learned.ms_per_token[e]);
                 load.latency.lanes = Some(learned.lanes);
                 load.latency.hold_ms = Some(learned.hold_ms);
@@ -237,7 +252,6 @@ impl<H: SharedData> Engine<H> {
         let outcome = cas_update(
             self.host(),
             &self.keys[endpoint],
-            CAS_ATTEMPTS,
             EndpointState::decode,
             EndpointState::encode,
             |current| {
@@ -248,21 +262,21 @@ impl<H: SharedData> Engine<H> {
                 })
             },
         );
-        match outcome {
-            CasOutcome::Written(_) | CasOutcome::Unchanged => {}
-            CasOutcome::GaveUp => self.events.push(Event::CasGiveUps(1)),
-            CasOutcome::HostError(_) => self.events.push(Event::SharedDataErrors(1)),
-        }
+        self.settle(outcome);
     }
 
     /// Chooses an endpoint without a parsed body (see [`fallback`]).
     pub fn fallback(&mut self, reason: FallbackReason, now_ms: u64) -> Choice {
         self.router.store_mut().begin_request();
         let down: Vec<bool> = (0..self.endpoints())
-            .map(|e| self.router.store().endpoint_state(e).down)
+            .map(|e| {
+                self.router
+                    .store()
+                    .with_endpoint_state(e, |state| state.down)
+            })
             .collect();
-        let store_stats = self.router.store_mut().end_request();
-        self.count_shared(store_stats.cas_give_ups, store_stats.host_errors);
+        let errors = self.router.store_mut().end_request();
+        self.count_shared(errors);
         let in_flight: Vec<u32> = self
             .ledger
             .totals(self.router.store().host(), now_ms)
@@ -290,7 +304,7 @@ impl<H: SharedData> Engine<H> {
     fn acquire(&mut self, endpoint: usize, prediction: &Prediction, now_ms: u64) {
         self.ledger
             .acquire(self.router.store().host(), endpoint, prediction, now_ms);
-        self.drain_ledger_stats();
+        self.drain_ledger_counts();
     }
 
     /// The first response byte of a steered request (its response headers): its prefill is
@@ -316,7 +330,7 @@ impl<H: SharedData> Engine<H> {
             &latency,
             now_ms,
         );
-        self.drain_ledger_stats();
+        self.drain_ledger_counts();
     }
 
     /// A steered request finished (or was reset): it no longer holds a lane, and its prefill
@@ -338,26 +352,35 @@ impl<H: SharedData> Engine<H> {
             hold,
             now_ms,
         );
-        self.drain_ledger_stats();
+        self.drain_ledger_counts();
     }
 
-    fn drain_ledger_stats(&mut self) {
-        let s = self.ledger.take_stats();
-        self.count_shared(s.cas_give_ups, s.host_errors);
-        if s.observations > 0 || s.refused_observations > 0 {
+    fn drain_ledger_counts(&mut self) {
+        let counts = self.ledger.take_counts();
+        self.count_shared(counts.shared);
+        if counts.observations > 0 || counts.refused_observations > 0 {
             self.events.push(Event::Observations {
-                used: s.observations,
-                refused: s.refused_observations,
+                used: counts.observations,
+                refused: counts.refused_observations,
             });
         }
     }
 
-    fn count_shared(&mut self, give_ups: u32, errors: u32) {
-        if give_ups > 0 {
-            self.events.push(Event::CasGiveUps(give_ups));
+    /// Counts what went wrong in a read-modify-write and returns its written value.
+    fn settle<T>(&mut self, outcome: CasOutcome<T>) -> Option<T> {
+        let mut errors = SharedDataErrors::default();
+        let written = errors.settle(outcome);
+        self.count_shared(errors);
+        written
+    }
+
+    fn count_shared(&mut self, errors: SharedDataErrors) {
+        if errors.cas_give_ups > 0 {
+            self.events.push(Event::CasGiveUps(errors.cas_give_ups));
         }
-        if errors > 0 {
-            self.events.push(Event::SharedDataErrors(errors));
+        if errors.host_errors > 0 {
+            self.events
+                .push(Event::SharedDataErrors(errors.host_errors));
         }
     }
 
@@ -365,7 +388,7 @@ impl<H: SharedData> Engine<H> {
     /// and claim due scrapes. Returns the endpoints this instance must scrape now.
     pub fn tick(&mut self, now_ms: u64) -> Vec<usize> {
         self.ledger.tick(self.router.store().host(), now_ms);
-        self.drain_ledger_stats();
+        self.drain_ledger_counts();
         // A callout always completes (Envoy enforces its timeout), but never let a lost one
         // block its endpoint's scrapes.
         let expiry = self.config.scrape.timeout_ms + self.config.scrape.interval_ms;
@@ -473,31 +496,22 @@ impl<H: SharedData> Engine<H> {
             calibration,
         );
         self.events.push(Event::Scrape { endpoint, end });
-        match outcome {
-            CasOutcome::Written(_) => {
-                if transition.went_down {
-                    self.events.push(Event::EndpointDown(endpoint));
-                }
-                if transition.came_up {
-                    self.events.push(Event::EndpointUp(endpoint));
-                }
-                if transition.forgot {
-                    self.events.push(Event::IndexForgotten(endpoint));
-                }
-                if transition.no_capacity {
-                    self.events.push(Event::CapacityUnreported(endpoint));
-                }
-                Some((endpoint, transition))
-            }
-            CasOutcome::GaveUp => {
-                self.events.push(Event::CasGiveUps(1));
-                Some((endpoint, Transition::default()))
-            }
-            CasOutcome::HostError(_) | CasOutcome::Unchanged => {
-                self.events.push(Event::SharedDataErrors(1));
-                Some((endpoint, Transition::default()))
-            }
+        if self.settle(outcome).is_none() {
+            return Some((endpoint, Transition::default()));
         }
+        if transition.went_down {
+            self.events.push(Event::EndpointDown(endpoint));
+        }
+        if transition.came_up {
+            self.events.push(Event::EndpointUp(endpoint));
+        }
+        if transition.forgot {
+            self.events.push(Event::IndexForgotten(endpoint));
+        }
+        if transition.no_capacity {
+            self.events.push(Event::CapacityUnreported(endpoint));
+        }
+        Some((endpoint, transition))
     }
 
     /// Checks `endpoint`'s belief against the counters of the scrape that just came back (see
@@ -507,7 +521,7 @@ impl<H: SharedData> Engine<H> {
     fn calibrate(
         &mut self,
         endpoint: usize,
-        now: &prefixroute_core::metrics::EngineMetrics,
+        now: &prefixroute_core::metrics::ServerMetrics,
         now_ms: u64,
     ) -> Option<f64> {
         let before = scrape::read(self.host(), &self.keys[endpoint]).metrics;
@@ -522,7 +536,6 @@ impl<H: SharedData> Engine<H> {
         let outcome = cas_update(
             self.host(),
             &key,
-            CAS_ATTEMPTS,
             CalibrationRecord::decode,
             CalibrationRecord::encode,
             |current| {
@@ -550,11 +563,7 @@ impl<H: SharedData> Engine<H> {
                 Some(record)
             },
         );
-        match outcome {
-            CasOutcome::Written(_) | CasOutcome::Unchanged => {}
-            CasOutcome::GaveUp => self.events.push(Event::CasGiveUps(1)),
-            CasOutcome::HostError(_) => self.events.push(Event::SharedDataErrors(1)),
-        }
+        self.settle(outcome);
         scale
     }
 
@@ -569,7 +578,7 @@ mod tests {
     use crate::shared::MemShared;
     use prefixroute_core::config::EndpointConfig;
     use prefixroute_core::latency::{EndpointWork, RequestLedger};
-    use prefixroute_core::metrics::EngineMetrics;
+    use prefixroute_core::metrics::ServerMetrics;
     use prefixroute_core::PrefixStore;
 
     fn config(n: usize, policy: Policy) -> PluginConfig {
@@ -607,13 +616,13 @@ mod tests {
     }
 
     /// Runs one tick and answers every claimed scrape with `pages[e]`.
-    fn tick_and_scrape(engine: &mut Engine<MemShared>, now: u64, pages: &[Option<String>]) {
-        for (k, e) in engine.tick(now).into_iter().enumerate() {
+    fn tick_and_scrape(scheduler: &mut Scheduler<MemShared>, now: u64, pages: &[Option<String>]) {
+        for (k, e) in scheduler.tick(now).into_iter().enumerate() {
             let token = 1000 + now as u32 * 16 + k as u32;
-            engine.scrape_sent(token, e, now);
+            scheduler.scrape_sent(token, e, now);
             match &pages[e] {
-                Some(p) => engine.scrape_done(token, Some(200), p.as_bytes(), now + 1),
-                None => engine.scrape_done(token, None, b"", now + 1),
+                Some(p) => scheduler.scrape_done(token, Some(200), p.as_bytes(), now + 1),
+                None => scheduler.scrape_done(token, None, b"", now + 1),
             };
         }
     }
@@ -621,8 +630,8 @@ mod tests {
     #[test]
     fn same_prefix_goes_to_the_same_endpoint_across_workers() {
         let host = MemShared::new();
-        let mut w1 = Engine::new(host.clone(), config(4, Policy::Prefix));
-        let mut w2 = Engine::new(host.clone(), config(4, Policy::Prefix));
+        let mut w1 = Scheduler::new(host.clone(), config(4, Policy::Prefix));
+        let mut w2 = Scheduler::new(host.clone(), config(4, Policy::Prefix));
         let system = "You are the support bot of tenant seven. ".repeat(20);
         let first = w1.route(&chat(&system, "where is my order?"), 0);
         let Route::Routed { cold, .. } = first.route else {
@@ -647,8 +656,8 @@ mod tests {
     #[test]
     fn cold_prefixes_spread_across_workers() {
         let host = MemShared::new();
-        let mut workers: Vec<Engine<MemShared>> = (0..3)
-            .map(|_| Engine::new(host.clone(), config(3, Policy::Prefix)))
+        let mut workers: Vec<Scheduler<MemShared>> = (0..3)
+            .map(|_| Scheduler::new(host.clone(), config(3, Policy::Prefix)))
             .collect();
         // Three new tenants, each arriving on a different worker, land on three replicas.
         // (Completions prompts: chat bodies would share their first block, the role marker.)
@@ -665,7 +674,7 @@ mod tests {
     #[test]
     fn bad_bodies_fall_back_and_are_counted() {
         let host = MemShared::new();
-        let mut e = Engine::new(host, config(3, Policy::Prefix));
+        let mut e = Scheduler::new(host, config(3, Policy::Prefix));
         for body in [
             &b"not json"[..],
             b"[1,2]",
@@ -690,7 +699,7 @@ mod tests {
     #[test]
     fn fallback_spreads_by_in_flight_and_skips_down_endpoints() {
         let host = MemShared::new();
-        let mut e = Engine::new(host, config(3, Policy::Prefix));
+        let mut e = Scheduler::new(host, config(3, Policy::Prefix));
         let picks: Vec<Choice> = (0..3)
             .map(|_| e.fallback(FallbackReason::NotRoutable, 0))
             .collect();
@@ -718,8 +727,8 @@ mod tests {
     #[test]
     fn one_scrape_per_endpoint_per_interval_across_workers() {
         let host = MemShared::new();
-        let mut workers: Vec<Engine<MemShared>> = (0..3)
-            .map(|_| Engine::new(host.clone(), config(2, Policy::Prefix)))
+        let mut workers: Vec<Scheduler<MemShared>> = (0..3)
+            .map(|_| Scheduler::new(host.clone(), config(2, Policy::Prefix)))
             .collect();
         let mut scrapes = [0; 2];
         // interval 1000 ms, tick 250 ms, 5 s.
@@ -738,7 +747,7 @@ mod tests {
     #[test]
     fn stale_or_failed_scrapes_leave_endpoints_unmeasured() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(2, Policy::LeastQueue));
+        let mut e = Scheduler::new(host.clone(), config(2, Policy::LeastQueue));
         tick_and_scrape(&mut e, 0, &[Some(page(9, 0, 0.0)), Some(page(1, 0, 0.0))]);
         let c = e.route(&chat("s", "a"), 10);
         assert_eq!(c.endpoint, 1, "shorter measured queue");
@@ -756,8 +765,8 @@ mod tests {
     #[test]
     fn in_flight_requests_shift_load_between_scrapes() {
         let host = MemShared::new();
-        let mut w1 = Engine::new(host.clone(), config(2, Policy::LeastQueue));
-        let mut w2 = Engine::new(host.clone(), config(2, Policy::LeastQueue));
+        let mut w1 = Scheduler::new(host.clone(), config(2, Policy::LeastQueue));
+        let mut w2 = Scheduler::new(host.clone(), config(2, Policy::LeastQueue));
         let idle = Some(page(0, 0, 0.0));
         tick_and_scrape(&mut w1, 0, &[idle.clone(), idle]);
         // w1 sends requests; w2 sees them without any new scrape.
@@ -779,7 +788,7 @@ mod tests {
     #[test]
     fn restart_detection_forgets_the_index() {
         let host = MemShared::new();
-        let mut e = Engine::new(host, config(2, Policy::PrefixOnly));
+        let mut e = Scheduler::new(host, config(2, Policy::PrefixOnly));
         let body = chat(&"long shared prompt ".repeat(10), "q");
         let choice = e.route(&body, 0);
         e.release(&choice.ticket, 0);
@@ -815,7 +824,7 @@ mod tests {
             }
         }
 
-        fn route(&mut self, body: &[u8], metrics: &[EngineMetrics]) -> (usize, Prediction) {
+        fn route(&mut self, body: &[u8], metrics: &[ServerMetrics]) -> (usize, Prediction) {
             let hashes = hash_request(&parse_request(body).unwrap(), self.cfg.router_config().hash);
             let learned = self.ledger.learned.estimate(&self.cfg.latency);
             let loads: Vec<EndpointLoad> = (0..metrics.len())
@@ -827,7 +836,7 @@ mod tests {
                     load
                 })
                 .collect();
-            let d = self.router.pick(&hashes, &loads);
+            let d = self.router.pick(&hashes, &loads).unwrap();
             let p = self.router.prediction_for(&d, &hashes, &loads[d.endpoint]);
             self.router.commit(&d, &hashes);
             self.ledger.sent(d.endpoint, &p);
@@ -843,27 +852,27 @@ mod tests {
         for policy in Policy::ALL {
             let host = MemShared::new();
             let cfg = config(4, policy);
-            let mut engine = Engine::new(host, cfg.clone());
+            let mut scheduler = Scheduler::new(host, cfg.clone());
             let mut core = CoreMirror::new(&cfg);
             let metrics = [
-                EngineMetrics {
+                ServerMetrics {
                     num_requests_waiting: Some(0.0),
                     num_requests_running: Some(0.0),
                     kv_cache_usage_perc: Some(0.1),
-                    ..EngineMetrics::default()
+                    ..ServerMetrics::default()
                 },
-                EngineMetrics {
+                ServerMetrics {
                     num_requests_waiting: Some(2.0),
                     num_requests_running: Some(1.0),
                     kv_cache_usage_perc: Some(0.5),
-                    ..EngineMetrics::default()
+                    ..ServerMetrics::default()
                 },
-                EngineMetrics::default(),
-                EngineMetrics {
+                ServerMetrics::default(),
+                ServerMetrics {
                     num_requests_waiting: Some(1.0),
                     num_requests_running: Some(3.0),
                     kv_cache_usage_perc: Some(0.95),
-                    ..EngineMetrics::default()
+                    ..ServerMetrics::default()
                 },
             ];
             let pages: Vec<Option<String>> = metrics
@@ -882,7 +891,7 @@ mod tests {
                     Some(p)
                 })
                 .collect();
-            tick_and_scrape(&mut engine, 0, &pages);
+            tick_and_scrape(&mut scheduler, 0, &pages);
             let mut open: Vec<(Ticket, u64)> = Vec::new();
             let tenants: Vec<String> = (0..5)
                 .map(|t| format!("tenant {t} system prompt. ").repeat(8))
@@ -893,13 +902,13 @@ mod tests {
                 let now = 10 + 30 * i;
                 let body = chat(&tenants[(i * 7 % 5) as usize], &format!("question {i}"));
                 let (expected, prediction) = core.route(&body, &metrics);
-                let mut got = engine.route(&body, now);
+                let mut got = scheduler.route(&body, now);
                 assert_eq!(got.endpoint, expected, "{policy} request {i}");
                 // The first byte comes back after a time that depends on the work: the rate
                 // both sides learn from it must agree too. Every 17th is a failed answer.
                 let elapsed = 5 + prediction.uncached_tokens as u64 / 3 + i % 11;
                 let success = i % 17 != 0;
-                engine.first_byte(&mut got.ticket, success, now + elapsed);
+                scheduler.first_byte(&mut got.ticket, success, now + elapsed);
                 let observation = success.then(|| Observation::of(&prediction, elapsed as f64));
                 let _ = core.ledger.first_byte(
                     expected,
@@ -913,7 +922,7 @@ mod tests {
                     let end = (now + 20).max(first_byte);
                     let hold = ticket.answered.then(|| (end - first_byte) as f64);
                     core.ledger.done(ticket.endpoint, None, hold).unwrap();
-                    engine.release(&ticket, end);
+                    scheduler.release(&ticket, end);
                 }
             }
             let learned = core
@@ -929,7 +938,7 @@ mod tests {
     #[test]
     fn a_reset_before_the_first_byte_releases_the_prefill_work() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let mut e = Scheduler::new(host.clone(), config(2, Policy::Latency));
         let c = e.route(&chat(&"doc ".repeat(200), "q"), 0);
         let pooled = e.ledger.totals(&host, 0);
         assert_eq!(pooled.work[c.endpoint].prefilling, 1);
@@ -951,7 +960,7 @@ mod tests {
     #[test]
     fn absurd_first_bytes_are_counted_and_teach_nothing() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let mut e = Scheduler::new(host.clone(), config(2, Policy::Latency));
         let mut c = e.route(&chat("s", "q"), 100);
         // The clock went backwards: zero elapsed time.
         e.first_byte(&mut c.ticket, true, 50);
@@ -970,7 +979,7 @@ mod tests {
     #[test]
     fn a_reported_cache_bounds_the_belief_and_an_unreported_one_is_counted() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(2, Policy::Latency));
+        let mut e = Scheduler::new(host.clone(), config(2, Policy::Latency));
         let with_capacity = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n\
             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1\n";
         tick_and_scrape(
@@ -993,7 +1002,7 @@ mod tests {
     #[test]
     fn a_server_that_hits_less_than_believed_shrinks_its_belief_until_they_agree() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(1, Policy::Latency));
+        let mut e = Scheduler::new(host.clone(), config(1, Policy::Latency));
         let system = "word ".repeat(400); // ~100 blocks of 4 tokens
                                           // The replica caches 100 blocks of 16 tokens = 400 of the router's blocks of 4.
         let page = |hits: u64, queries: u64| {
@@ -1007,7 +1016,7 @@ mod tests {
         let mut now = 0;
         tick_and_scrape(&mut e, now, &[page(hits, queries)]);
         let mut capacity = Vec::new();
-        let mut run = |e: &mut Engine<MemShared>, now: &mut u64, served_share: f64| {
+        let mut run = |e: &mut Scheduler<MemShared>, now: &mut u64, served_share: f64| {
             // Twenty warm requests per interval; the server reports what share it really hit.
             let mut sent = 0;
             for i in 0..20 {
@@ -1049,7 +1058,7 @@ mod tests {
     #[test]
     fn shared_data_cost_per_request() {
         let host = MemShared::new();
-        let mut e = Engine::new(host.clone(), config(4, Policy::Prefix));
+        let mut e = Scheduler::new(host.clone(), config(4, Policy::Prefix));
         let system = "word ".repeat(400); // ~100 blocks of 4 tokens
         let warm = e.route(&chat(&system, "q0"), 0);
         e.release(&warm.ticket, 0);
