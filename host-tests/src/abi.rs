@@ -1,19 +1,26 @@
 //! Numbers and encodings of proxy-wasm ABI 0.2.1 (spec: proxy-wasm/spec,
 //! `abi-versions/v0.2.1/README.md`) and of the WASI preview1 calls a `wasm32-wasip1` cdylib links.
 
+use proxy_wasm::types as sdk;
+
+// The numbers are the proxy-wasm Rust SDK's (`proxy_wasm::types`), the same enums the plugin
+// is built against, so the host and the guest cannot disagree on one of them. The host keeps its
+// own enums for the values the SDK does not name and for the traits the harness needs.
+
 /// `proxy_status_t`. The values are the ABI's, so they are passed to the guest as they are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u32)]
 pub enum Status {
-    Ok = 0,
-    NotFound = 1,
-    BadArgument = 2,
-    SerializationFailure = 3,
-    ParseFailure = 4,
+    Ok = sdk::Status::Ok as u32,
+    NotFound = sdk::Status::NotFound as u32,
+    BadArgument = sdk::Status::BadArgument as u32,
+    SerializationFailure = sdk::Status::SerializationFailure as u32,
+    ParseFailure = sdk::Status::ParseFailure as u32,
+    /// In the 0.2.1 status list, not in the SDK's enum.
     InvalidMemoryAccess = 6,
-    Empty = 7,
-    CasMismatch = 8,
-    InternalFailure = 10,
+    Empty = sdk::Status::Empty as u32,
+    CasMismatch = sdk::Status::CasMismatch as u32,
+    InternalFailure = sdk::Status::InternalFailure as u32,
     /// Not in the 0.2.1 status list but in Envoy's `WasmResult`: what `proxy_get_status` reports
     /// after a callout failed without a response.
     BrokenConnection = 11,
@@ -34,9 +41,9 @@ pub enum Action {
 }
 
 impl Action {
-    /// Anything but 1 continues, as in Envoy (which only checks for `Pause`).
+    /// Anything but `Pause` continues, as in Envoy (which only checks for `Pause`).
     pub fn from_raw(raw: i32) -> Action {
-        if raw == 1 {
+        if raw == sdk::Action::Pause as i32 {
             Action::Pause
         } else {
             Action::Continue
@@ -47,92 +54,99 @@ impl Action {
 /// `proxy_log_level_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LogLevel {
-    Trace = 0,
-    Debug = 1,
-    Info = 2,
-    Warn = 3,
-    Error = 4,
-    Critical = 5,
+    Trace = sdk::LogLevel::Trace as isize,
+    Debug = sdk::LogLevel::Debug as isize,
+    Info = sdk::LogLevel::Info as isize,
+    Warn = sdk::LogLevel::Warn as isize,
+    Error = sdk::LogLevel::Error as isize,
+    Critical = sdk::LogLevel::Critical as isize,
 }
 
 impl LogLevel {
+    const ALL: [LogLevel; 6] = [
+        LogLevel::Trace,
+        LogLevel::Debug,
+        LogLevel::Info,
+        LogLevel::Warn,
+        LogLevel::Error,
+        LogLevel::Critical,
+    ];
+
     pub fn from_raw(raw: i32) -> Option<LogLevel> {
-        Some(match raw {
-            0 => LogLevel::Trace,
-            1 => LogLevel::Debug,
-            2 => LogLevel::Info,
-            3 => LogLevel::Warn,
-            4 => LogLevel::Error,
-            5 => LogLevel::Critical,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|&l| l as i32 == raw)
     }
 }
 
 /// `proxy_buffer_type_t`.
 pub mod buffer {
-    pub const HTTP_REQUEST_BODY: i32 = 0;
-    pub const HTTP_RESPONSE_BODY: i32 = 1;
-    pub const DOWNSTREAM_DATA: i32 = 2;
-    pub const UPSTREAM_DATA: i32 = 3;
-    pub const HTTP_CALL_RESPONSE_BODY: i32 = 4;
-    pub const GRPC_CALL_MESSAGE: i32 = 5;
-    pub const VM_CONFIGURATION: i32 = 6;
-    pub const PLUGIN_CONFIGURATION: i32 = 7;
-    pub const FOREIGN_FUNCTION_ARGUMENTS: i32 = 8;
+    use proxy_wasm::types::BufferType;
+
+    pub const HTTP_REQUEST_BODY: i32 = BufferType::HttpRequestBody as i32;
+    pub const HTTP_RESPONSE_BODY: i32 = BufferType::HttpResponseBody as i32;
+    pub const DOWNSTREAM_DATA: i32 = BufferType::DownstreamData as i32;
+    pub const UPSTREAM_DATA: i32 = BufferType::UpstreamData as i32;
+    pub const HTTP_CALL_RESPONSE_BODY: i32 = BufferType::HttpCallResponseBody as i32;
+    pub const GRPC_CALL_MESSAGE: i32 = BufferType::GrpcReceiveBuffer as i32;
+    pub const VM_CONFIGURATION: i32 = BufferType::VmConfiguration as i32;
+    pub const PLUGIN_CONFIGURATION: i32 = BufferType::PluginConfiguration as i32;
+    pub const FOREIGN_FUNCTION_ARGUMENTS: i32 = BufferType::CallData as i32;
 }
 
 /// `proxy_map_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MapType {
-    RequestHeaders = 0,
-    RequestTrailers = 1,
-    ResponseHeaders = 2,
-    ResponseTrailers = 3,
-    GrpcInitialMetadata = 4,
-    GrpcTrailingMetadata = 5,
-    CallResponseHeaders = 6,
-    CallResponseTrailers = 7,
+    RequestHeaders = sdk::MapType::HttpRequestHeaders as isize,
+    RequestTrailers = sdk::MapType::HttpRequestTrailers as isize,
+    ResponseHeaders = sdk::MapType::HttpResponseHeaders as isize,
+    ResponseTrailers = sdk::MapType::HttpResponseTrailers as isize,
+    GrpcInitialMetadata = sdk::MapType::GrpcReceiveInitialMetadata as isize,
+    GrpcTrailingMetadata = sdk::MapType::GrpcReceiveTrailingMetadata as isize,
+    CallResponseHeaders = sdk::MapType::HttpCallResponseHeaders as isize,
+    CallResponseTrailers = sdk::MapType::HttpCallResponseTrailers as isize,
 }
 
 impl MapType {
+    const ALL: [MapType; 8] = [
+        MapType::RequestHeaders,
+        MapType::RequestTrailers,
+        MapType::ResponseHeaders,
+        MapType::ResponseTrailers,
+        MapType::GrpcInitialMetadata,
+        MapType::GrpcTrailingMetadata,
+        MapType::CallResponseHeaders,
+        MapType::CallResponseTrailers,
+    ];
+
     pub fn from_raw(raw: i32) -> Option<MapType> {
-        Some(match raw {
-            0 => MapType::RequestHeaders,
-            1 => MapType::RequestTrailers,
-            2 => MapType::ResponseHeaders,
-            3 => MapType::ResponseTrailers,
-            4 => MapType::GrpcInitialMetadata,
-            5 => MapType::GrpcTrailingMetadata,
-            6 => MapType::CallResponseHeaders,
-            7 => MapType::CallResponseTrailers,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|&m| m as i32 == raw)
     }
 }
 
 /// `proxy_stream_type_t`.
 pub mod stream {
-    pub const HTTP_REQUEST: i32 = 0;
-    pub const HTTP_RESPONSE: i32 = 1;
+    use proxy_wasm::types::StreamType;
+
+    pub const HTTP_REQUEST: i32 = StreamType::HttpRequest as i32;
+    pub const HTTP_RESPONSE: i32 = StreamType::HttpResponse as i32;
 }
 
 /// `proxy_metric_type_t`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MetricKind {
-    Counter = 0,
-    Gauge = 1,
-    Histogram = 2,
+    Counter = sdk::MetricType::Counter as isize,
+    Gauge = sdk::MetricType::Gauge as isize,
+    Histogram = sdk::MetricType::Histogram as isize,
 }
 
 impl MetricKind {
+    const ALL: [MetricKind; 3] = [
+        MetricKind::Counter,
+        MetricKind::Gauge,
+        MetricKind::Histogram,
+    ];
+
     pub fn from_raw(raw: i32) -> Option<MetricKind> {
-        Some(match raw {
-            0 => MetricKind::Counter,
-            1 => MetricKind::Gauge,
-            2 => MetricKind::Histogram,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|&k| k as i32 == raw)
     }
 }
 
