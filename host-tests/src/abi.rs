@@ -7,6 +7,17 @@ use proxy_wasm::types as sdk;
 // is built against, so the host and the guest cannot disagree on one of them. The host keeps its
 // own enums for the values the SDK does not name and for the traits the harness needs.
 
+/// `from_raw` for an ABI enum: the variant whose number the guest passed, if any.
+macro_rules! from_raw {
+    ($ty:ident: $($variant:ident),+ $(,)?) => {
+        impl $ty {
+            pub fn from_raw(raw: i32) -> Option<$ty> {
+                [$($ty::$variant),+].into_iter().find(|&v| v as i32 == raw)
+            }
+        }
+    };
+}
+
 /// `proxy_status_t`. The values are the ABI's, so they are passed to the guest as they are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u32)]
@@ -62,20 +73,7 @@ pub enum LogLevel {
     Critical = sdk::LogLevel::Critical as isize,
 }
 
-impl LogLevel {
-    const ALL: [LogLevel; 6] = [
-        LogLevel::Trace,
-        LogLevel::Debug,
-        LogLevel::Info,
-        LogLevel::Warn,
-        LogLevel::Error,
-        LogLevel::Critical,
-    ];
-
-    pub fn from_raw(raw: i32) -> Option<LogLevel> {
-        Self::ALL.into_iter().find(|&l| l as i32 == raw)
-    }
-}
+from_raw!(LogLevel: Trace, Debug, Info, Warn, Error, Critical);
 
 /// `proxy_buffer_type_t`.
 pub mod buffer {
@@ -105,22 +103,16 @@ pub enum MapType {
     CallResponseTrailers = sdk::MapType::HttpCallResponseTrailers as isize,
 }
 
-impl MapType {
-    const ALL: [MapType; 8] = [
-        MapType::RequestHeaders,
-        MapType::RequestTrailers,
-        MapType::ResponseHeaders,
-        MapType::ResponseTrailers,
-        MapType::GrpcInitialMetadata,
-        MapType::GrpcTrailingMetadata,
-        MapType::CallResponseHeaders,
-        MapType::CallResponseTrailers,
-    ];
-
-    pub fn from_raw(raw: i32) -> Option<MapType> {
-        Self::ALL.into_iter().find(|&m| m as i32 == raw)
-    }
-}
+from_raw!(
+    MapType: RequestHeaders,
+    RequestTrailers,
+    ResponseHeaders,
+    ResponseTrailers,
+    GrpcInitialMetadata,
+    GrpcTrailingMetadata,
+    CallResponseHeaders,
+    CallResponseTrailers,
+);
 
 /// `proxy_stream_type_t`.
 pub mod stream {
@@ -138,17 +130,7 @@ pub enum MetricKind {
     Histogram = sdk::MetricType::Histogram as isize,
 }
 
-impl MetricKind {
-    const ALL: [MetricKind; 3] = [
-        MetricKind::Counter,
-        MetricKind::Gauge,
-        MetricKind::Histogram,
-    ];
-
-    pub fn from_raw(raw: i32) -> Option<MetricKind> {
-        Self::ALL.into_iter().find(|&k| k as i32 == raw)
-    }
-}
+from_raw!(MetricKind: Counter, Gauge, Histogram);
 
 /// `wasi_errno_t` values the host returns.
 pub mod errno {
