@@ -254,8 +254,7 @@ impl<H: SharedData> Scheduler<H> {
             &self.keys[endpoint],
             EndpointState::decode,
             EndpointState::encode,
-            |current| {
-                let mut state = current.unwrap_or_default();
+            |mut state| {
                 (state.last_cold < stamp).then(|| {
                     state.last_cold = stamp;
                     state
@@ -538,8 +537,7 @@ impl<H: SharedData> Scheduler<H> {
             &key,
             CalibrationRecord::decode,
             CalibrationRecord::encode,
-            |current| {
-                let mut record = current.unwrap_or_default();
+            |mut record: CalibrationRecord| {
                 let served = before.as_ref().and_then(|b| {
                     let hits = now.prefix_cache_hits_total? - b.prefix_cache_hits_total?;
                     let queries = now.prefix_cache_queries_total? - b.prefix_cache_queries_total?;

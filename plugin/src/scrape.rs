@@ -222,8 +222,7 @@ pub fn record(
         key,
         EndpointState::decode,
         EndpointState::encode,
-        |current| {
-            let mut state = current.unwrap_or_default();
+        |mut state| {
             transition = apply(
                 &mut state,
                 observation,

@@ -129,29 +129,20 @@ pub fn read_modify_write<T>(
 }
 
 /// [`read_modify_write`] of one key straight from the host, [`CAS_ATTEMPTS`] times at most.
-/// `update` sees the current value (`None` when absent or unreadable).
-pub fn cas_update<T, H: SharedData + ?Sized>(
+/// `update` sees the current value (the default when absent or unreadable).
+pub fn cas_update<T: Default, H: SharedData + ?Sized>(
     host: &H,
     key: &str,
     decode: impl Fn(&[u8]) -> Option<T>,
     encode: impl Fn(&T) -> Vec<u8>,
-    mut update: impl FnMut(Option<T>) -> Option<T>,
+    update: impl FnMut(T) -> Option<T>,
 ) -> CasOutcome<T> {
-    let outcome = read_modify_write(
+    read_modify_write(
         CAS_ATTEMPTS,
-        |_| read_or_default(host, key, |bytes| Some(decode(bytes))),
-        |current| update(current).map(Some),
-        |next: &Option<T>, cas| match next {
-            Some(value) => host.set(key, &encode(value), cas),
-            None => Ok(()),
-        },
-    );
-    match outcome {
-        CasOutcome::Written(Some(value)) => CasOutcome::Written(value),
-        CasOutcome::Written(None) | CasOutcome::Unchanged => CasOutcome::Unchanged,
-        CasOutcome::GaveUp => CasOutcome::GaveUp,
-        CasOutcome::HostError(status) => CasOutcome::HostError(status),
-    }
+        |_| read_or_default(host, key, &decode),
+        update,
+        |next, cas| host.set(key, &encode(next), cas),
+    )
 }
 
 /// What shared-data operations went wrong, counted where they happen and drained into the
@@ -342,7 +333,7 @@ mod tests {
     #[test]
     fn cas_update_retries_then_gives_up() {
         let h = MemShared::new();
-        let add = |v: Option<u32>| Some(v.unwrap_or(0) + 1);
+        let add = |v: u32| Some(v + 1);
         assert_eq!(cas_update(&h, "n", dec, enc, add), CasOutcome::Written(1));
         h.force_mismatches(CAS_ATTEMPTS - 1);
         assert_eq!(cas_update(&h, "n", dec, enc, add), CasOutcome::Written(2));
