@@ -7,7 +7,7 @@
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 use crate::request::{ParsedRequest, Prompt};
-use crate::tokenizer::tokenize_into;
+use crate::tokenizer::{for_each_token, tokenize_into};
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -118,6 +118,30 @@ pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
     }
 }
 
+/// Chained hashes of the tokens of `text`, appended to `out`, in one pass: each block is hashed
+/// as soon as its tokens are scanned, so no vector of every token is built (a 64 KB prompt
+/// would be a 64 KB allocation and a second pass). Returns the token count. Exactly
+/// `chain_hashes_into(&tokenize(text), ..)`.
+pub fn chain_text_into(text: &str, seed: u64, config: HashConfig, out: &mut Vec<u64>) -> usize {
+    let block_size = config.block_size.max(1);
+    let mut block: Vec<u32> = Vec::with_capacity(block_size);
+    let mut parent = seed;
+    let mut count = 0;
+    for_each_token(text, |id| {
+        count += 1;
+        block.push(id);
+        if block.len() == block_size {
+            parent = block_hash(&block, parent);
+            out.push(parent);
+            block.clear();
+        }
+    });
+    if !block.is_empty() && config.include_partial {
+        out.push(block_hash(&block, parent));
+    }
+    count
+}
+
 /// The whole front half of the pipeline: parsed request → tokens → block hashes.
 pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes {
     let seed = chain_seed(&request.model, request.cache_salt.as_deref().unwrap_or(""));
@@ -127,9 +151,18 @@ pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes 
         block_size: config.block_size.max(1),
     };
     for prompt in &request.prompts {
-        let tokens = prompt_tokens(prompt);
-        hashes.tokens.push(tokens.len());
-        hashes.chains.push(chain_hashes(&tokens, seed, config));
+        let (count, chain) = match prompt {
+            Prompt::Text(text) => {
+                // About 4 bytes per token in English text.
+                let blocks = text.len() / (4 * hashes.block_size) + 1;
+                let mut chain = Vec::with_capacity(blocks);
+                let count = chain_text_into(text, seed, config, &mut chain);
+                (count, chain)
+            }
+            Prompt::Tokens(ids) => (ids.len(), chain_hashes(ids, seed, config)),
+        };
+        hashes.tokens.push(count);
+        hashes.chains.push(chain);
     }
     hashes
 }
@@ -213,6 +246,23 @@ mod tests {
             right.extend((0..b).map(|_| next()));
             (left, right, k)
         })
+    }
+
+    proptest! {
+        #[test]
+        fn hashing_text_in_one_pass_equals_hashing_its_tokens(
+            text in "[a-z ,.!_\n]{0,200}",
+            block_size in 1usize..20,
+            include_partial in any::<bool>(),
+        ) {
+            let config = HashConfig { block_size, include_partial };
+            let seed = chain_seed("m", "s");
+            let tokens = crate::tokenizer::tokenize(&text);
+            let mut streamed = Vec::new();
+            let count = chain_text_into(&text, seed, config, &mut streamed);
+            prop_assert_eq!(count, tokens.len());
+            prop_assert_eq!(streamed, chain_hashes(&tokens, seed, config));
+        }
     }
 
     proptest! {

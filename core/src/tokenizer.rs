@@ -55,14 +55,15 @@ fn is_word_byte(b: u8) -> bool {
     class(b) == WORD || b == b'_'
 }
 
+const FNV_OFFSET: u32 = 0x811c_9dc5;
+
+fn fnv_step(hash: u32, b: u8) -> u32 {
+    (hash ^ u32::from(b)).wrapping_mul(0x0100_0193)
+}
+
 /// 32-bit FNV-1a, as Go's `hash/fnv.New32a`.
 pub fn fnv1a32(bytes: &[u8]) -> u32 {
-    let mut hash: u32 = 0x811c_9dc5;
-    for &b in bytes {
-        hash ^= u32::from(b);
-        hash = hash.wrapping_mul(0x0100_0193);
-    }
-    hash
+    bytes.iter().fold(FNV_OFFSET, |hash, &b| fnv_step(hash, b))
 }
 
 /// Iterator over the pieces of a text, each with its trailing whitespace.
@@ -112,9 +113,40 @@ pub fn pieces(text: &str) -> Pieces<'_> {
     }
 }
 
+/// Calls `emit` with each token id of `text`, in order: the same ids as hashing every piece of
+/// [`pieces`], in one pass over the bytes (each byte is classified once and hashed as it is
+/// scanned, with no piece slices and no second pass). This is the plugin's hottest loop: every
+/// prompt byte goes through it once per request.
+pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
+    let bytes = text.as_bytes();
+    let n = bytes.len();
+    let mut i = 0;
+    while i < n {
+        let first = class(bytes[i]);
+        if first == OTHER || first == SPACE {
+            i += 1;
+            continue;
+        }
+        let mut hash = fnv_step(FNV_OFFSET, bytes[i]);
+        i += 1;
+        // See `Pieces::next`: a punctuation byte (including a leading `_`) is a piece alone.
+        if first == WORD {
+            while i < n && is_word_byte(bytes[i]) {
+                hash = fnv_step(hash, bytes[i]);
+                i += 1;
+            }
+        }
+        while i < n && class(bytes[i]) == SPACE {
+            hash = fnv_step(hash, bytes[i]);
+            i += 1;
+        }
+        emit(hash);
+    }
+}
+
 /// Token ids of `text`, appended to `out` (so callers can reuse one buffer).
 pub fn tokenize_into(text: &str, out: &mut Vec<u32>) {
-    out.extend(pieces(text).map(|piece| fnv1a32(piece.as_bytes())));
+    for_each_token(text, |id| out.push(id));
 }
 
 /// Token ids of `text`.
@@ -196,5 +228,15 @@ mod tests {
         let mut buf = vec![7];
         tokenize_into("x", &mut buf);
         assert_eq!(buf, vec![7, fnv1a32(b"x")]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_one_pass_scanner_gives_the_ids_of_the_pieces(
+            text in "[a-zA-Z0-9_ \t\n,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|é日-]{0,80}"
+        ) {
+            let from_pieces: Vec<u32> = pieces(&text).map(|p| fnv1a32(p.as_bytes())).collect();
+            proptest::prop_assert_eq!(tokenize(&text), from_pieces);
+        }
     }
 }
