@@ -155,6 +155,9 @@ LABEL = {
 }
 
 COST_SIZES = [1024, 8192, 65536]
+# warm: bodies cycle through 16 tenants x 4 questions (every prefix seen before);
+# cold: a unique first line per request, so no block ever matches.
+COST_WARMTH = ["warm", "cold"]
 ENVOY_CONCURRENCY = 2  # Envoy workers everywhere; the peers run 2 tokio workers on 2 cores.
 UPPER_BOUND_BLOCKS = 262_144
 BLOCK_SIZE = 16
@@ -163,9 +166,9 @@ TARGETS = {
     "hit_vs_best_peer": "hit rate >= the best peer's on every trace",
     "hit_vs_upper": "hit rate within 5% of the upper bound (>= 0.95 x bound)",
     "max_mean": "max/mean requests per replica <= 1.3",
-    "added_p50": "added p50 <= 0.15 ms over Envoy RR at 8 KB",
-    "added_p99": "added p99 <= 0.5 ms over Envoy RR at 8 KB",
-    "throughput": "throughput >= 0.8 x Envoy RR",
+    "added_p50": "added p50 <= 0.1 ms over Envoy RR at 8 KB, warm and cold",
+    "throughput": "throughput vs Envoy RR >= 0.85x at 8 KB warm, 0.75x at 8 KB cold, 0.6x at "
+                  "64 KB warm and cold, and ahead of sglang-router in every cell",
 }
 
 # --------------------------------------------------------------------------------------------
@@ -726,10 +729,10 @@ def run_cache(env, scenarios, routers, quick):
 # --------------------------------------------------------------------------------------------
 
 
-def wrk_run(env, url, body_bytes, connections, duration_s):
+def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm"):
     argv = [env.wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "5s",
             "-s", BENCH / "chat.lua", f"{url}/v1/chat/completions"]
-    e = dict(os.environ, BODY_BYTES=str(body_bytes))
+    e = dict(os.environ, BODY_BYTES=str(body_bytes), COLD="1" if warmth == "cold" else "0")
     r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=e,
                        timeout=duration_s + 60)
     line = next((l for l in r.stdout.splitlines() if l.startswith("WRK_JSON ")), None)
@@ -748,35 +751,44 @@ def wrk_run(env, url, body_bytes, connections, duration_s):
     }
 
 
-def run_cost(env, systems, sizes, duration_s, connections, rounds):
-    """For each size, each system: a 1-connection run (unloaded latency) and a
+def cost_key(size, warmth):
+    return f"{size // 1024}KB-{warmth}"
+
+
+def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("warm",)):
+    """For each size and warmth, each system: a 1-connection run (unloaded latency) and a
     `connections`-connection run (throughput). Rounds alternate the order of the systems so
     that drift in the machine's load does not always favour the same one; the median of the
-    rounds is reported."""
+    rounds is reported. Keys: `cost_key(size, warmth)`."""
     results = {}
     backends = start_fleet(env, 4, 4096, 4096, 0, 0, "cost")
     try:
         for size in sizes:
-            per_system = {s: [] for s in systems}
-            for rnd in range(rounds):
-                order = systems if rnd % 2 == 0 else list(reversed(systems))
-                for kind in order:
-                    if kind in ("sglang", "vllm") and not env.peers_available[kind]:
-                        continue
-                    router = Router(env, kind, backends, f"cost-{size}")
-                    try:
-                        wrk_run(env, router.url, size, connections, 1)  # warm-up
-                        lat = wrk_run(env, router.url, size, 1, duration_s)
-                        thr = wrk_run(env, router.url, size, connections, duration_s)
-                        stats = router.plugin_stats()
-                    finally:
-                        router.close()
-                    per_system[kind].append({"unloaded": lat, "loaded": thr,
-                                             "plugin_stats": stats})
-                    log(f"cost/{size // 1024}KB/{kind:<9} round {rnd + 1}: "
-                        f"p50 {lat['p50_ms']:.3f} ms p99 {lat['p99_ms']:.3f} ms, "
-                        f"{thr['rps']:.0f} req/s (errors {lat['errors'] + thr['errors']})")
-            results[size] = {k: median_run(v) for k, v in per_system.items() if v}
+            for warmth in warmths:
+                key = cost_key(size, warmth)
+                per_system = {s: [] for s in systems}
+                for rnd in range(rounds):
+                    order = systems if rnd % 2 == 0 else list(reversed(systems))
+                    for kind in order:
+                        if kind in ("sglang", "vllm") and not env.peers_available[kind]:
+                            continue
+                        router = Router(env, kind, backends, f"cost-{key}")
+                        try:
+                            wrk_run(env, router.url, size, connections, 1, warmth)  # warm-up
+                            lat = wrk_run(env, router.url, size, 1, duration_s, warmth)
+                            thr = wrk_run(env, router.url, size, connections, duration_s,
+                                          warmth)
+                            stats = router.plugin_stats()
+                        finally:
+                            router.close()
+                        per_system[kind].append({"unloaded": lat, "loaded": thr,
+                                                 "plugin_stats": stats})
+                        log(f"cost/{key}/{kind:<9} round {rnd + 1}: "
+                            f"p50 {lat['p50_ms']:.3f} ms p99 {lat['p99_ms']:.3f} ms, "
+                            f"{thr['rps']:.0f} req/s (errors {lat['errors'] + thr['errors']})")
+                results[key] = {"size": size, "warmth": warmth,
+                                "systems": {k: median_run(v) for k, v in per_system.items()
+                                            if v}}
     finally:
         for r in backends:
             stop(r.proc)
@@ -959,10 +971,13 @@ def report_cost(cost, duration_s, connections, rounds):
     lines = [f"wrk -t1, {duration_s} s per run, median of {rounds} round(s); unloaded = 1 "
              f"connection (closed loop), loaded = {connections} connections. Envoy "
              f"--concurrency {ENVOY_CONCURRENCY}. Ratios are to Envoy ROUND_ROBIN in the same "
-             f"run; added = minus Envoy RR.", ""]
-    for size, systems in cost.items():
+             f"run; added = minus Envoy RR. Warm: bodies cycle through 16 tenants x 4 "
+             f"questions; cold: a unique first line per request, so no block ever matches.",
+             ""]
+    for cell in cost.values():
+        systems = cell["systems"]
         base = systems.get("envoy-rr")
-        lines.append(f"#### {size // 1024} KB bodies")
+        lines.append(f"#### {cell['size'] // 1024} KB bodies, {cell['warmth']}")
         lines.append("")
         lines.append("| system | p50 | p99 | added p50 | added p99 | max req/s | vs RR "
                      "| loaded p50 | loaded p99 | errors |")
@@ -983,34 +998,51 @@ def report_cost(cost, duration_s, connections, rounds):
     return "\n".join(lines)
 
 
+# Throughput floors vs Envoy RR (issue 12), by (size, warmth); cells not listed have none.
+THROUGHPUT_FLOORS = {(8192, "warm"): 0.85, (8192, "cold"): 0.75,
+                     (65536, "warm"): 0.6, (65536, "cold"): 0.6}
+
+
 def cost_targets(cost):
     out = []
-    for size, systems in cost.items():
+    for cell in cost.values():
+        systems = cell["systems"]
         base = systems.get("envoy-rr")
         ours = systems.get("latency") or systems.get("prefix")
         if not base or not ours:
             continue
-        e = {"size": size,
+        size, warmth = cell["size"], cell["warmth"]
+        ratio = (ours["loaded"]["rps"] / base["loaded"]["rps"]) if base["loaded"]["rps"] \
+            else None
+        sglang = systems.get("sglang")
+        sglang_ratio = (sglang["loaded"]["rps"] / base["loaded"]["rps"]) \
+            if sglang and base["loaded"]["rps"] else None
+        floor = THROUGHPUT_FLOORS.get((size, warmth))
+        e = {"size": size, "warmth": warmth,
              "added_p50_ms": ours["unloaded"]["p50_ms"] - base["unloaded"]["p50_ms"],
              "added_p99_ms": ours["unloaded"]["p99_ms"] - base["unloaded"]["p99_ms"],
-             "throughput_ratio": ours["loaded"]["rps"] / base["loaded"]["rps"]
-             if base["loaded"]["rps"] else None}
-        e["ok_p50"] = e["added_p50_ms"] <= 0.15
-        e["ok_p99"] = e["added_p99_ms"] <= 0.5
-        e["ok_throughput"] = e["throughput_ratio"] is not None and e["throughput_ratio"] >= 0.8
+             "throughput_ratio": ratio, "floor": floor, "sglang_ratio": sglang_ratio}
+        e["ok_p50"] = e["added_p50_ms"] <= 0.1 if size == 8192 else None
+        e["ok_throughput"] = None if floor is None else (ratio is not None and ratio >= floor)
+        e["ok_vs_sglang"] = None if sglang_ratio is None else \
+            (ratio is not None and ratio > sglang_ratio)
         out.append(e)
     return out
 
 
 def report_cost_targets(entries):
-    lines = ["| body | added p50 (≤ 0.15 ms at 8 KB) | added p99 (≤ 0.5 ms at 8 KB) | "
-             "throughput vs RR (≥ 0.8x) |", "|---|---|---|---|"]
+    lines = ["| body | added p50 (≤ 0.1 ms at 8 KB) | added p99 | throughput vs RR (floor) | "
+             "sglang-router vs RR (we must be ahead) |", "|---|---|---:|---|---|"]
     for e in entries:
-        at8 = e["size"] == 8192
-        p50 = f"{e['added_p50_ms']:+.3f} ms" + (f" {verdict(e['ok_p50'])}" if at8 else "")
-        p99 = f"{e['added_p99_ms']:+.3f} ms" + (f" {verdict(e['ok_p99'])}" if at8 else "")
-        lines.append(f"| {e['size'] // 1024} KB | {p50} | {p99} | "
-                     f"{fmt_ratio(e['throughput_ratio'])} {verdict(e['ok_throughput'])} |")
+        p50 = f"{e['added_p50_ms']:+.3f} ms" + \
+            (f" {verdict(e['ok_p50'])}" if e["ok_p50"] is not None else "")
+        thr = fmt_ratio(e["throughput_ratio"])
+        if e["floor"] is not None:
+            thr += f" (≥ {e['floor']:.2f}x) {verdict(e['ok_throughput'])}"
+        sg = "-" if e["sglang_ratio"] is None else \
+            f"{fmt_ratio(e['sglang_ratio'])} {verdict(e['ok_vs_sglang'])}"
+        lines.append(f"| {e['size'] // 1024} KB {e['warmth']} | {p50} | "
+                     f"{e['added_p99_ms']:+.3f} ms | {thr} | {sg} |")
     return "\n".join(lines)
 
 
@@ -1096,6 +1128,10 @@ def main():
     p.add_argument("--duration", type=int, default=None, help="seconds per wrk run")
     p.add_argument("--connections", type=int, default=32, help="wrk connections (loaded)")
     p.add_argument("--rounds", type=int, default=None, help="cost rounds (median reported)")
+    p.add_argument("--cost-sizes", default=",".join(str(s // 1024) for s in COST_SIZES),
+                   help="cost body sizes in KB")
+    p.add_argument("--warmth", default=",".join(COST_WARMTH),
+                   help="cost prompts: warm (prefixes seen before), cold (never seen), or both")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="wait up to this many seconds for the 1-minute load average to drop "
                         "below --idle-load before starting")
@@ -1128,6 +1164,7 @@ def main():
             ["sglang"] if env.peers_available["sglang"] else [])
         cost_systems = ["direct", "envoy-rr", "latency"]
         cost_sizes = [8192]
+        cost_warmth = ["warm"]
         duration = args.duration or 2
         connections = 8
         rounds = 1
@@ -1141,7 +1178,8 @@ def main():
         costs = [float(c) for c in args.costs.split(",")]
         routers = args.routers.split(",")
         cost_systems = args.systems.split(",")
-        cost_sizes = COST_SIZES
+        cost_sizes = [int(x) * 1024 for x in args.cost_sizes.split(",")]
+        cost_warmth = args.warmth.split(",")
         duration = args.duration or (3 if quick else 10)
         connections = args.connections
         rounds = args.rounds or (1 if quick else 2)
@@ -1164,7 +1202,7 @@ def main():
             results["sweep"] = run_sweep(env, sweep_scenarios, sweep_routers, costs, quick)
         if "cost" in sections:
             results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
-                                       rounds)
+                                       rounds, cost_warmth)
             results["cost_settings"] = {"duration_s": duration, "connections": connections,
                                         "rounds": rounds}
         if "scale" in sections:
@@ -1242,10 +1280,10 @@ def main():
         for cost, rows in res["costs"].items():
             for kind, row in rows.items():
                 plugin_problems(f"sweep/{key}@{cost}/{kind}", row.get("plugin_stats") or {})
-    for size, systems in results.get("cost", {}).items():
-        for kind, m in systems.items():
+    for key, cell in results.get("cost", {}).items():
+        for kind, m in cell["systems"].items():
             for stats in m.get("plugin_stats", []):
-                plugin_problems(f"cost/{size}/{kind}", stats or {})
+                plugin_problems(f"cost/{key}/{kind}", stats or {})
     if "cost" in results:
         md += ["## Cost per request", "",
                report_cost(results["cost"], duration, connections, rounds)]
@@ -1254,11 +1292,11 @@ def main():
         if entries:
             md += ["### Targets: prefixroute latency vs Envoy RR", "",
                    report_cost_targets(entries), ""]
-        for size, systems in results["cost"].items():
-            for kind, m in systems.items():
+        for key, cell in results["cost"].items():
+            for kind, m in cell["systems"].items():
                 for phase in ("unloaded", "loaded"):
                     if m[phase]["errors"] or m[phase]["requests"] == 0:
-                        failures.append(f"cost/{size}/{kind}/{phase}: {m[phase]['errors']} "
+                        failures.append(f"cost/{key}/{kind}/{phase}: {m[phase]['errors']} "
                                         f"errors of {m[phase]['requests']} requests")
     if "scale" in results:
         md += ["## Scale", "", report_scale(results["scale"]), ""]

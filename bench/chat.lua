@@ -5,11 +5,16 @@
 -- routers see realistic, partly shared prefixes and the load generator spends no time building
 -- bodies while it measures. `done` prints one JSON line (prefixed "WRK_JSON ") for bench.py.
 --
---   BODY_BYTES=8192 wrk -t1 -c32 -d10s -s bench/chat.lua http://127.0.0.1:PORT/v1/chat/completions
+-- COLD=1 makes every request a prompt no router has seen: a unique first line ("Request N.")
+-- before the tenant's system prompt, so no block of it ever matches (every new conversation,
+-- batch job or agent looks like this to a prefix router). Those bodies are built per request.
+--
+--   BODY_BYTES=8192 [COLD=1] wrk -t1 -c32 -d10s -s bench/chat.lua http://127.0.0.1:PORT/v1/chat/completions
 
 local body_bytes = tonumber(os.getenv("BODY_BYTES") or "8192")
 local tenants = tonumber(os.getenv("TENANTS") or "16")
 local questions = tonumber(os.getenv("QUESTIONS") or "4")
+local cold = os.getenv("COLD") == "1"
 
 local words = {
   "account", "billing", "cache", "cluster", "customer", "deploy", "gateway", "invoice",
@@ -32,7 +37,11 @@ local function text(seed, n)
 end
 
 local requests = {}
+local tails = {}
 local index = 0
+local sent = 0
+local head = '{"model":"cc-sim","max_tokens":1,"messages":[{"role":"system","content":"'
+local headers = { ["Content-Type"] = "application/json" }
 
 function init(args)
   local overhead = 160 -- JSON framing, model name, question
@@ -41,9 +50,9 @@ function init(args)
     local system = "You are the assistant of tenant " .. t .. ". " .. text(t * 7919, system_len)
     for q = 1, questions do
       local question = text(t * 104729 + q, 48)
-      local body = '{"model":"cc-sim","max_tokens":1,"messages":[{"role":"system","content":"'
-        .. system .. '"},{"role":"user","content":"' .. question .. '"}]}'
-      requests[#requests + 1] = wrk.format("POST", nil, { ["Content-Type"] = "application/json" }, body)
+      local tail = system .. '"},{"role":"user","content":"' .. question .. '"}]}'
+      tails[#tails + 1] = tail
+      requests[#requests + 1] = wrk.format("POST", nil, headers, head .. tail)
     end
   end
   -- Threads start at different offsets so they do not send the same body in lockstep.
@@ -52,6 +61,10 @@ end
 
 function request()
   index = (index % #requests) + 1
+  if cold then
+    sent = sent + 1
+    return wrk.format("POST", nil, headers, head .. "Request " .. sent .. ". " .. tails[index])
+  end
   return requests[index]
 end
 
