@@ -561,22 +561,33 @@ impl<H: SharedData> SharedIndex<H> {
                 if stale {
                     self.forget_cas(&mut self.cache.borrow_mut().buckets, bucket);
                 }
+                // The first attempt writes the cached copy `queue_updates` already applied
+                // the updates to, under the token of its read; only a re-read needs them again.
+                let applied = !stale
+                    && self
+                        .cache
+                        .borrow()
+                        .buckets
+                        .get(&bucket)
+                        .is_some_and(|slot| slot.cas.is_some());
                 let slot = self.load_bucket(bucket, true)?;
                 Ok(Versioned {
-                    value: slot.value,
+                    value: (slot.value, applied),
                     cas: slot.cas.unwrap_or(0),
                 })
             },
-            |mut next: Bucket| {
-                apply_updates(&mut next, updates, WAYS, &|id, stamp| {
-                    self.freshness(id, stamp)
-                });
-                Some(next)
+            |(mut next, applied): (Bucket, bool)| {
+                if !applied {
+                    apply_updates(&mut next, updates, WAYS, &|id, stamp| {
+                        self.freshness(id, stamp)
+                    });
+                }
+                Some((next, true))
             },
-            |next, cas| self.host.set(&key, &next.encode(), cas),
+            |(next, _), cas| self.host.set(&key, &next.encode(), cas),
         );
         let written = self.cache.borrow_mut().errors.settle(outcome);
-        if let Some(next) = written {
+        if let Some((next, _)) = written {
             self.cache.borrow_mut().buckets.insert(
                 bucket,
                 Slot {
