@@ -41,7 +41,7 @@ fn main() {
     let full = LIVE.load(Ordering::Relaxed) - before;
     let entries = endpoints * capacity;
     println!("endpoints {endpoints}, capacity {capacity} blocks each, {entries} entries");
-    println!("empty index: {empty} B (pre-sized tables)");
+    println!("empty index: {empty} B (tables grow with the entries)");
     println!(
         "full index:  {full} B = {:.1} B per block-endpoint entry",
         full as f64 / entries as f64

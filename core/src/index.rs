@@ -5,11 +5,10 @@
 //! bounded and evicts least-recently-recorded blocks first, which roughly tracks what an LRU
 //! server cache of the same size keeps.
 
-use std::num::NonZeroUsize;
-
-use lru::LruCache;
+mod blocks;
 
 use crate::latency::CacheRoom;
+use blocks::BlockLru;
 
 /// llm-d's default capacity per endpoint, in blocks.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
@@ -45,77 +44,43 @@ pub trait PrefixStore {
     fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool;
 }
 
-/// An in-memory [`PrefixStore`]: one LRU set of block hashes per endpoint.
+/// An in-memory [`PrefixStore`]: one LRU set of block hashes per endpoint, each block with
+/// whether a recorded request's full blocks ended there (see [`PrefixStore::continues`]).
 #[derive(Debug)]
 pub struct PrefixIndex {
     /// Capacity of endpoints whose own capacity was never set.
-    capacity: NonZeroUsize,
-    endpoints: Vec<EndpointBlocks>,
-}
-
-/// One endpoint's believed blocks, each with whether a recorded request's full blocks ended
-/// there (see [`PrefixStore::continues`]).
-#[derive(Debug)]
-struct EndpointBlocks {
-    blocks: LruCache<u64, bool>,
-}
-
-impl EndpointBlocks {
-    fn new(capacity: NonZeroUsize) -> Self {
-        EndpointBlocks {
-            blocks: LruCache::new(capacity),
-        }
-    }
-
-    fn touch(&mut self, hash: u64) {
-        if self.blocks.get(&hash).is_none() {
-            self.blocks.push(hash, false);
-        }
-    }
-
-    fn clear(&mut self) {
-        self.blocks.clear();
-    }
-
-    fn resize(&mut self, capacity: NonZeroUsize) {
-        self.blocks.resize(capacity);
-    }
-}
-
-fn non_zero(blocks: usize) -> NonZeroUsize {
-    NonZeroUsize::new(blocks.max(1)).unwrap_or(NonZeroUsize::MIN)
+    capacity: usize,
+    endpoints: Vec<BlockLru>,
 }
 
 impl PrefixIndex {
     /// An empty index for `endpoints` endpoints, each holding at most `capacity_blocks`
     /// (at least one).
     pub fn new(endpoints: usize, capacity_blocks: usize) -> Self {
-        let capacity = non_zero(capacity_blocks);
+        let capacity = capacity_blocks.max(1);
         PrefixIndex {
             capacity,
-            endpoints: (0..endpoints)
-                .map(|_| EndpointBlocks::new(capacity))
-                .collect(),
+            endpoints: (0..endpoints).map(|_| BlockLru::new(capacity)).collect(),
         }
     }
 
     pub fn capacity_blocks(&self) -> usize {
-        self.capacity.get()
+        self.capacity
     }
 
     /// Blocks currently believed held by `endpoint`.
     pub fn len(&self, endpoint: usize) -> usize {
-        self.endpoints.get(endpoint).map_or(0, |e| e.blocks.len())
+        self.endpoints.get(endpoint).map_or(0, BlockLru::len)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.endpoints.iter().all(|e| e.blocks.is_empty())
+        self.endpoints.iter().all(BlockLru::is_empty)
     }
 
     pub fn contains(&self, endpoint: usize, hash: u64) -> bool {
         self.endpoints
             .get(endpoint)
-            .is_some_and(|e| e.blocks.contains(&hash))
+            .is_some_and(|e| e.contains(hash))
     }
 
     /// Believed blocks of `endpoint`, most recently recorded first (for visualisations).
@@ -123,13 +88,13 @@ impl PrefixIndex {
         self.endpoints
             .get(endpoint)
             .into_iter()
-            .flat_map(|e| e.blocks.iter().map(|(h, _)| *h))
+            .flat_map(BlockLru::iter)
     }
 
     /// Grows the index when endpoints are added (new ones start empty).
     pub fn ensure_endpoints(&mut self, endpoints: usize) {
         while self.endpoints.len() < endpoints {
-            self.endpoints.push(EndpointBlocks::new(self.capacity));
+            self.endpoints.push(BlockLru::new(self.capacity));
         }
     }
 }
@@ -139,7 +104,7 @@ impl PrefixStore for PrefixIndex {
         let Some(e) = self.endpoints.get(endpoint) else {
             return 0;
         };
-        chain.iter().take_while(|h| e.blocks.contains(h)).count()
+        chain.iter().take_while(|&&h| e.contains(h)).count()
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
@@ -154,12 +119,8 @@ impl PrefixStore for PrefixIndex {
     }
 
     fn mark_end(&mut self, endpoint: usize, hash: u64) {
-        if let Some(end) = self
-            .endpoints
-            .get_mut(endpoint)
-            .and_then(|e| e.blocks.peek_mut(&hash))
-        {
-            *end = true;
+        if let Some(e) = self.endpoints.get_mut(endpoint) {
+            e.mark_end(hash);
         }
     }
 
@@ -169,7 +130,7 @@ impl PrefixStore for PrefixIndex {
         };
         chain
             .get(last)
-            .is_some_and(|hash| e.blocks.peek(hash) == Some(&true))
+            .is_some_and(|&hash| e.peek_end(hash) == Some(true))
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {
@@ -181,8 +142,8 @@ impl PrefixStore for PrefixIndex {
     fn set_capacity(&mut self, endpoint: usize, blocks: usize) {
         self.ensure_endpoints(endpoint + 1);
         let e = &mut self.endpoints[endpoint];
-        let capacity = non_zero(blocks);
-        if e.blocks.cap() != capacity {
+        let capacity = blocks.max(1);
+        if e.cap() != capacity {
             // Shrinking pops from the LRU end: the oldest records go first.
             e.resize(capacity);
         }
@@ -192,8 +153,8 @@ impl PrefixStore for PrefixIndex {
         self.endpoints
             .get(endpoint)
             .map_or(CacheRoom::default(), |e| CacheRoom {
-                capacity_blocks: e.blocks.cap().get(),
-                believed_blocks: e.blocks.len(),
+                capacity_blocks: e.cap(),
+                believed_blocks: e.len(),
             })
     }
 }

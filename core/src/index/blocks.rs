@@ -1,0 +1,357 @@
+//! One endpoint's believed blocks: an LRU set of block hashes, each with an end mark, in about
+//! 21 bytes per block.
+//!
+//! A general LRU map (`lru::LruCache<u64, bool>`) spends ~68 bytes per entry: a heap node per
+//! entry with two pointers, plus a hash table of pointers. Here every block is one 16-byte node
+//! in a vector (its hash and two 4-byte list links), the end marks are a bit each, and the hash
+//! table is open addressing over 4-byte node numbers, kept at most 7/8 full (linear probing,
+//! deletion by backward shift, so no tombstones). The keys are block hashes (xxh64), spread by
+//! one multiply before they pick a home slot so that small test keys spread too.
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    hash: u64,
+    /// Towards the most recently used end.
+    prev: u32,
+    /// Towards the least recently used end.
+    next: u32,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct BlockLru {
+    nodes: Vec<Node>,
+    /// One bit per node: a recorded request's full blocks ended at that block.
+    ends: Vec<u64>,
+    /// Node numbers by home slot; `NIL` = empty.
+    slots: Vec<u32>,
+    /// Most and least recently used nodes.
+    head: u32,
+    tail: u32,
+    capacity: usize,
+}
+
+/// Table size for `capacity` entries at 7/8 load.
+fn table_for(entries: usize) -> usize {
+    (entries.saturating_mul(8) / 7 + 1).max(8)
+}
+
+impl BlockLru {
+    pub(crate) fn new(capacity: usize) -> Self {
+        BlockLru {
+            nodes: Vec::new(),
+            ends: Vec::new(),
+            slots: vec![NIL; table_for(capacity.clamp(1, 64))],
+            head: NIL,
+            tail: NIL,
+            // Node numbers are u32 with NIL reserved.
+            capacity: capacity.clamp(1, NIL as usize - 1),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub(crate) fn cap(&self) -> usize {
+        self.capacity
+    }
+
+    fn home(&self, hash: u64) -> usize {
+        let mixed = hash.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        ((u128::from(mixed) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    /// The table slot holding `hash`, if present.
+    fn slot_of(&self, hash: u64) -> Option<usize> {
+        let n = self.slots.len();
+        let mut i = self.home(hash);
+        loop {
+            let node = self.slots[i];
+            if node == NIL {
+                return None;
+            }
+            if self.nodes[node as usize].hash == hash {
+                return Some(i);
+            }
+            i = if i + 1 == n { 0 } else { i + 1 };
+        }
+    }
+
+    fn find(&self, hash: u64) -> Option<usize> {
+        self.slot_of(hash).map(|slot| self.slots[slot] as usize)
+    }
+
+    fn place(&mut self, node: u32) {
+        let n = self.slots.len();
+        let mut i = self.home(self.nodes[node as usize].hash);
+        while self.slots[i] != NIL {
+            i = if i + 1 == n { 0 } else { i + 1 };
+        }
+        self.slots[i] = node;
+    }
+
+    /// Empties `slot` and shifts later entries of its probe run back, so that every entry
+    /// stays reachable from its home slot without tombstones.
+    fn vacate(&mut self, mut slot: usize) {
+        let n = self.slots.len();
+        self.slots[slot] = NIL;
+        let mut j = slot;
+        loop {
+            j = if j + 1 == n { 0 } else { j + 1 };
+            let node = self.slots[j];
+            if node == NIL {
+                return;
+            }
+            let home = self.home(self.nodes[node as usize].hash);
+            // The entry at `j` may move to `slot` unless its home lies cyclically in (slot, j].
+            let stays = if slot <= j {
+                slot < home && home <= j
+            } else {
+                slot < home || home <= j
+            };
+            if !stays {
+                self.slots[slot] = node;
+                self.slots[j] = NIL;
+                slot = j;
+            }
+        }
+    }
+
+    fn unlink(&mut self, node: usize) {
+        let Node { prev, next, .. } = self.nodes[node];
+        match prev {
+            NIL => self.head = next,
+            p => self.nodes[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.nodes[n as usize].prev = prev,
+        }
+    }
+
+    fn push_front(&mut self, node: usize) {
+        self.nodes[node].prev = NIL;
+        self.nodes[node].next = self.head;
+        match self.head {
+            NIL => self.tail = node as u32,
+            h => self.nodes[h as usize].prev = node as u32,
+        }
+        self.head = node as u32;
+    }
+
+    fn end(&self, node: usize) -> bool {
+        self.ends[node / 64] >> (node % 64) & 1 == 1
+    }
+
+    fn set_end(&mut self, node: usize, end: bool) {
+        let bit = 1u64 << (node % 64);
+        if end {
+            self.ends[node / 64] |= bit;
+        } else {
+            self.ends[node / 64] &= !bit;
+        }
+    }
+
+    fn grow_table(&mut self) {
+        let size = (self.slots.len() * 2).min(table_for(self.capacity));
+        self.slots = vec![NIL; size];
+        for node in 0..self.nodes.len() as u32 {
+            self.place(node);
+        }
+    }
+
+    /// Makes `hash` the most recently used block, inserting it (end mark cleared) and
+    /// evicting the least recently used block if the set is full.
+    pub(crate) fn touch(&mut self, hash: u64) {
+        if let Some(node) = self.find(hash) {
+            self.unlink(node);
+            self.push_front(node);
+            return;
+        }
+        let node = if self.nodes.len() < self.capacity {
+            if (self.nodes.len() + 1) * 8 > self.slots.len() * 7 {
+                self.grow_table();
+            }
+            self.nodes.push(Node {
+                hash,
+                prev: NIL,
+                next: NIL,
+            });
+            if self.nodes.len() > self.ends.len() * 64 {
+                self.ends.push(0);
+            }
+            self.nodes.len() - 1
+        } else {
+            // Full: the least recently used node is the new one.
+            let victim = self.tail as usize;
+            if let Some(slot) = self.slot_of(self.nodes[victim].hash) {
+                self.vacate(slot);
+            }
+            self.unlink(victim);
+            self.nodes[victim].hash = hash;
+            victim
+        };
+        self.set_end(node, false);
+        self.place(node as u32);
+        self.push_front(node);
+    }
+
+    pub(crate) fn contains(&self, hash: u64) -> bool {
+        self.slot_of(hash).is_some()
+    }
+
+    /// The end mark of `hash`, without making it more recent; `None` when not held.
+    pub(crate) fn peek_end(&self, hash: u64) -> Option<bool> {
+        self.find(hash).map(|node| self.end(node))
+    }
+
+    /// Sets the end mark of `hash` if held, without making it more recent.
+    pub(crate) fn mark_end(&mut self, hash: u64) {
+        if let Some(node) = self.find(hash) {
+            self.set_end(node, true);
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        *self = BlockLru::new(self.capacity);
+    }
+
+    /// Block hashes, most recently used first.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        let mut node = self.head;
+        std::iter::from_fn(move || {
+            if node == NIL {
+                return None;
+            }
+            let n = self.nodes[node as usize];
+            node = n.next;
+            Some(n.hash)
+        })
+    }
+
+    /// Changes the capacity; shrinking keeps the most recently used blocks (and their marks).
+    pub(crate) fn resize(&mut self, capacity: usize) {
+        let capacity = capacity.clamp(1, NIL as usize - 1);
+        if capacity >= self.nodes.len() {
+            self.capacity = capacity;
+            return;
+        }
+        let kept: Vec<(u64, bool)> = {
+            let mut out = Vec::with_capacity(capacity);
+            let mut node = self.head;
+            while node != NIL && out.len() < capacity {
+                out.push((self.nodes[node as usize].hash, self.end(node as usize)));
+                node = self.nodes[node as usize].next;
+            }
+            out
+        };
+        *self = BlockLru::new(capacity);
+        // Oldest first, so the most recent ends at the front again.
+        for &(hash, end) in kept.iter().rev() {
+            self.touch(hash);
+            if end {
+                self.mark_end(hash);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    /// The obvious LRU: a deque, most recent first.
+    #[derive(Default)]
+    struct Model {
+        order: VecDeque<(u64, bool)>,
+        capacity: usize,
+    }
+
+    impl Model {
+        fn touch(&mut self, hash: u64) {
+            if let Some(pos) = self.order.iter().position(|(h, _)| *h == hash) {
+                let entry = self.order.remove(pos).unwrap();
+                self.order.push_front(entry);
+                return;
+            }
+            if self.order.len() == self.capacity {
+                self.order.pop_back();
+            }
+            self.order.push_front((hash, false));
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Touch(u64),
+        Mark(u64),
+        Resize(usize),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Few distinct keys, so that hits, evictions and probe-run collisions all happen.
+        prop_oneof![
+            8 => (0u64..40).prop_map(Op::Touch),
+            2 => (0u64..40).prop_map(Op::Mark),
+            1 => (1usize..20).prop_map(Op::Resize),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn behaves_like_the_obvious_lru(capacity in 1usize..20, ops in proptest::collection::vec(op(), 0..300)) {
+            let mut lru = BlockLru::new(capacity);
+            let mut model = Model { capacity, ..Model::default() };
+            for op in ops {
+                match op {
+                    Op::Touch(h) => { lru.touch(h); model.touch(h); }
+                    Op::Mark(h) => {
+                        lru.mark_end(h);
+                        if let Some(e) = model.order.iter_mut().find(|(k, _)| *k == h) { e.1 = true; }
+                    }
+                    Op::Resize(c) => {
+                        lru.resize(c);
+                        model.capacity = c;
+                        model.order.truncate(c);
+                    }
+                    Op::Clear => { lru.clear(); model.order.clear(); }
+                }
+                prop_assert_eq!(lru.len(), model.order.len());
+                prop_assert_eq!(lru.cap(), model.capacity);
+                let order: Vec<u64> = lru.iter().collect();
+                let expected: Vec<u64> = model.order.iter().map(|(h, _)| *h).collect();
+                prop_assert_eq!(order, expected);
+                for k in 0u64..40 {
+                    let expected = model.order.iter().find(|(h, _)| *h == k).map(|(_, e)| *e);
+                    prop_assert_eq!(lru.peek_end(k), expected);
+                    prop_assert_eq!(lru.contains(k), expected.is_some());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_tables_keep_every_key_reachable_through_evictions() {
+        let mut lru = BlockLru::new(1000);
+        for k in 0..5000u64 {
+            lru.touch(k.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        }
+        assert_eq!(lru.len(), 1000);
+        for k in 4000..5000u64 {
+            assert!(lru.contains(k.wrapping_mul(0x2545_f491_4f6c_dd1d)), "{k}");
+        }
+        for k in 0..4000u64 {
+            assert!(!lru.contains(k.wrapping_mul(0x2545_f491_4f6c_dd1d)), "{k}");
+        }
+    }
+}
