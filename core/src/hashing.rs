@@ -7,7 +7,7 @@
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 use crate::request::{ParsedRequest, Prompt};
-use crate::tokenizer::{for_each_token, tokenize_into};
+use crate::tokenizer::for_each_token;
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -103,18 +103,6 @@ impl BlockHashes {
     /// Every hash of every chain, in order.
     pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
         self.chains.iter().flatten().copied()
-    }
-}
-
-/// Token ids of one prompt.
-pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
-    match prompt {
-        Prompt::Text(text) => {
-            let mut tokens = Vec::with_capacity(text.len() / 4 + 1);
-            tokenize_into(text, &mut tokens);
-            tokens
-        }
-        Prompt::Tokens(ids) => ids.clone(),
     }
 }
 

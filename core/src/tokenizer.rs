@@ -79,70 +79,27 @@ pub fn fnv1a32(bytes: &[u8]) -> u32 {
     bytes.iter().fold(FNV_OFFSET, |hash, &b| fnv_step(hash, b))
 }
 
-/// Iterator over the pieces of a text, each with its trailing whitespace.
-pub struct Pieces<'a> {
-    bytes: &'a [u8],
-    text: &'a str,
-    pos: usize,
-}
-
-impl<'a> Iterator for Pieces<'a> {
-    type Item = &'a str;
-
-    fn next(&mut self) -> Option<&'a str> {
-        let bytes = self.bytes;
-        // Skip bytes that start no piece. Pieces start and end on ASCII bytes, so every slice
-        // below falls on a UTF-8 character boundary.
-        while self.pos < bytes.len() && matches!(class(bytes[self.pos]), OTHER | SPACE) {
-            self.pos += 1;
-        }
-        if self.pos >= bytes.len() {
-            return None;
-        }
-        let start = self.pos;
-        // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
-        // leftmost-first, so `_` at the start of a piece is a piece of its own, while `_` inside
-        // a run of word characters continues the run.
-        if class(bytes[start]) != PUNCT {
-            while self.pos < bytes.len() && is_word_byte(bytes[self.pos]) {
-                self.pos += 1;
-            }
-        } else {
-            self.pos += 1;
-        }
-        while self.pos < bytes.len() && class(bytes[self.pos]) == SPACE {
-            self.pos += 1;
-        }
-        Some(&self.text[start..self.pos])
-    }
-}
-
-/// The pieces of `text`, in order.
-pub fn pieces(text: &str) -> Pieces<'_> {
-    Pieces {
-        bytes: text.as_bytes(),
-        text,
-        pos: 0,
-    }
-}
-
-/// Calls `emit` with each token id of `text`, in order: the same ids as hashing every piece of
-/// [`pieces`], in one pass over the bytes (each byte is classified once and hashed as it is
-/// scanned, with no piece slices and no second pass). This is the plugin's hottest loop: every
-/// prompt byte goes through it once per request.
-pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
+/// The one scanner: calls `emit` with each piece's byte range and token id, in order. Each
+/// byte is classified once and hashed as it is scanned (no piece slices, no second pass): this
+/// is the plugin's hottest loop, every prompt byte goes through it once per request.
+fn scan(text: &str, mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
     let bytes = text.as_bytes();
     let n = bytes.len();
     let mut i = 0;
     while i < n {
+        // Skip bytes that start no piece. Pieces start and end on ASCII bytes, so every range
+        // falls on UTF-8 character boundaries.
         let first = class(bytes[i]);
         if first == OTHER || first == SPACE {
             i += 1;
             continue;
         }
+        let start = i;
         let mut hash = fnv_step(FNV_OFFSET, bytes[i]);
         i += 1;
-        // See `Pieces::next`: a punctuation byte (including a leading `_`) is a piece alone.
+        // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
+        // leftmost-first, so `_` at the start of a piece is a piece of its own (class PUNCT),
+        // while `_` inside a run of word characters continues the run.
         if first == WORD {
             while i < n && is_word_byte(bytes[i]) {
                 hash = fnv_step(hash, bytes[i]);
@@ -153,8 +110,22 @@ pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
             hash = fnv_step(hash, bytes[i]);
             i += 1;
         }
-        emit(hash);
+        emit(start..i, hash);
     }
+}
+
+/// The pieces of `text`, in order, each with its trailing whitespace (for explanations and
+/// tests; routing only needs their ids, see [`for_each_token`]).
+pub fn pieces(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    scan(text, |range, _| out.push(&text[range]));
+    out
+}
+
+/// Calls `emit` with each token id of `text`, in order: the FNV-1a of every piece of
+/// [`pieces`].
+pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
+    scan(text, |_, id| emit(id));
 }
 
 /// Token ids of `text`, appended to `out` (so callers can reuse one buffer).
@@ -174,7 +145,7 @@ mod tests {
     use super::*;
 
     fn pieces_of(text: &str) -> Vec<&str> {
-        pieces(text).collect()
+        pieces(text)
     }
 
     #[test]
@@ -245,10 +216,10 @@ mod tests {
 
     proptest::proptest! {
         #[test]
-        fn the_one_pass_scanner_gives_the_ids_of_the_pieces(
+        fn each_token_id_is_the_fnv_of_its_piece(
             text in "[a-zA-Z0-9_ \t\n,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|é日-]{0,80}"
         ) {
-            let from_pieces: Vec<u32> = pieces(&text).map(|p| fnv1a32(p.as_bytes())).collect();
+            let from_pieces: Vec<u32> = pieces(&text).iter().map(|p| fnv1a32(p.as_bytes())).collect();
             proptest::prop_assert_eq!(tokenize(&text), from_pieces);
         }
     }

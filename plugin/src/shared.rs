@@ -166,15 +166,6 @@ impl SharedDataErrors {
         }
         None
     }
-
-    pub fn add(&mut self, other: SharedDataErrors) {
-        self.cas_give_ups += other.cas_give_ups;
-        self.host_errors += other.host_errors;
-    }
-
-    pub fn is_empty(&self) -> bool {
-        *self == SharedDataErrors::default()
-    }
 }
 
 /// Endpoint ids by index and back. An id is the xxh64 of the endpoint's `ip:port`, so shared

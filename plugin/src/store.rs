@@ -271,15 +271,6 @@ impl<H: SharedData> SharedIndex<H> {
         std::mem::take(&mut cache.errors)
     }
 
-    /// The endpoint's shared record as read during this request (loaded on first use;
-    /// missing or unreadable = default).
-    pub fn endpoint_state(&self, endpoint: usize) -> EndpointState {
-        match self.load_state(endpoint, false) {
-            Ok(slot) => slot.value,
-            Err(status) => self.note_read_error(status),
-        }
-    }
-
     /// `f` of the endpoint's record as read during this request, without copying it (the
     /// router reads a few fields of every endpoint's record for every request, and copies of
     /// records are what a wasm instruction count sees).
@@ -1149,7 +1140,10 @@ mod tests {
             .unwrap();
         host.set(&bucket_key(s.table_bits(), 1), b"junk", 0)
             .unwrap();
-        assert_eq!(s.endpoint_state(0), EndpointState::default());
+        assert_eq!(
+            s.with_endpoint_state(0, EndpointState::clone),
+            EndpointState::default()
+        );
         assert_eq!(s.longest_match(0, &[1]), 0);
     }
 }
