@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use prefixroute_core::config::{EndpointConfig, PluginConfig};
+use prefixroute_core::config::{DiscoveryConfig, EndpointConfig, PluginConfig};
 use serde_json::{json, Value};
 
 /// How Envoy balances the pool.
@@ -22,18 +22,55 @@ pub enum Balancer {
     EnvoyLeastRequest,
 }
 
+/// Where the pool cluster's members come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pool {
+    /// A STATIC cluster; each member's name is its endpoint `hostname`.
+    Static(Vec<EndpointConfig>),
+    /// File-based EDS: Envoy watches the file's directory and reloads the file when it is
+    /// moved into place (write a temporary file next to it, then rename it over).
+    EdsFile(PathBuf),
+}
+
 /// Everything the generated Envoy configuration depends on.
 #[derive(Debug, Clone)]
 pub struct EnvoySetup {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
     pub balancer: Balancer,
-    /// The plugin's configuration; its endpoints are also the pool cluster's members.
+    /// The plugin's configuration: either `discovery` of the pool cluster (what `serve`
+    /// writes), or a static `endpoints` list that must name the pool's members.
     pub plugin: PluginConfig,
+    pub pool: Pool,
     pub wasm_path: PathBuf,
 }
 
-const POOL_CLUSTER: &str = "prefixroute_pool";
+pub const POOL_CLUSTER: &str = "prefixroute_pool";
+/// The loopback-only cluster the plugin's discovery callouts reach Envoy's admin through.
+pub const ADMIN_CLUSTER: &str = "prefixroute_admin";
+
+/// The plugin's discovery of the pool cluster `bootstrap` writes.
+pub fn discovery(interval_ms: u64) -> DiscoveryConfig {
+    DiscoveryConfig {
+        cluster: ADMIN_CLUSTER.into(),
+        pool_cluster: POOL_CLUSTER.into(),
+        interval_ms,
+        timeout_ms: (interval_ms / 2).max(100),
+        ..DiscoveryConfig::default()
+    }
+}
+
+/// Retries of requests the chosen replica refused or reset before answering: the plugin's
+/// destination header lists the next best replicas after the chosen one and override_host
+/// walks that list, one host per attempt. A response that has started (status line sent,
+/// a stream begun) is never retried: Envoy has already forwarded it.
+fn retry_policy(failover: usize) -> Value {
+    json!({
+        "retry_on": "connect-failure,refused-stream,reset",
+        "num_retries": failover.max(1),
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    })
+}
 
 fn socket(addr: &str) -> Result<Value> {
     let addr: SocketAddr = addr
@@ -47,18 +84,37 @@ fn typed(name: &str, type_url: &str) -> Value {
 }
 
 fn pool_cluster(setup: &EnvoySetup) -> Result<Value> {
-    let members = setup
-        .plugin
-        .endpoints
-        .iter()
-        .map(|e| Ok(json!({"endpoint": {"address": socket(&e.address)?}})))
-        .collect::<Result<Vec<Value>>>()?;
-    let mut cluster = json!({
-        "name": POOL_CLUSTER,
-        "connect_timeout": "1s",
-        "type": "STATIC",
-        "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [{"lb_endpoints": members}]},
-    });
+    let mut cluster = match &setup.pool {
+        Pool::Static(endpoints) => {
+            let members = endpoints
+                .iter()
+                .map(|e| {
+                    Ok(json!({"endpoint": {"hostname": e.name, "address": socket(&e.address)?}}))
+                })
+                .collect::<Result<Vec<Value>>>()?;
+            json!({
+                "name": POOL_CLUSTER,
+                "connect_timeout": "1s",
+                "type": "STATIC",
+                "load_assignment": {"cluster_name": POOL_CLUSTER, "endpoints": [{"lb_endpoints": members}]},
+            })
+        }
+        Pool::EdsFile(path) => {
+            let dir = path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            json!({
+                "name": POOL_CLUSTER,
+                "connect_timeout": "1s",
+                "type": "EDS",
+                "eds_cluster_config": {"eds_config": {"path_config_source": {
+                    "path": path.display().to_string(),
+                    "watched_directory": {"path": dir.display().to_string()},
+                }}},
+            })
+        }
+    };
     let policy = match setup.balancer {
         Balancer::Plugin => json!({
             "name": "envoy.load_balancing_policies.override_host",
@@ -128,6 +184,22 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
             "lb_policy": "CLUSTER_PROVIDED",
             "original_dst_lb_config": {"use_http_header": true},
         }));
+        if let Some(discovery) = &setup.plugin.discovery {
+            // Envoy's own admin listener, for the discovery callouts only (no route points
+            // here). An admin bound to every address is still reached on loopback.
+            let mut admin = setup.admin;
+            if admin.ip().is_unspecified() {
+                admin.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            clusters.push(json!({
+                "name": discovery.cluster,
+                "connect_timeout": "0.25s",
+                "type": "STATIC",
+                "load_assignment": {"cluster_name": discovery.cluster, "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": socket(&admin.to_string())?}},
+                ]}]},
+            }));
+        }
     }
     http_filters.push(json!({
         "name": "envoy.filters.http.router",
@@ -136,6 +208,8 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
     // The plugin buffers bodies up to max_body_bytes; Envoy must allow at least that much.
     let buffer_limit = (setup.plugin.max_body_bytes + (1 << 20)).max(1 << 20);
     Ok(json!({
+        // File-based EDS needs a node identity.
+        "node": {"id": "prefixroute", "cluster": "prefixroute"},
         "admin": {"address": socket(&setup.admin.to_string())?},
         "static_resources": {
             "listeners": [{
@@ -150,7 +224,11 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
                         "route_config": {"virtual_hosts": [{
                             "name": "llm",
                             "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": "300s"}}],
+                            "routes": [{"match": {"prefix": "/"}, "route": {
+                                "cluster": POOL_CLUSTER,
+                                "timeout": "300s",
+                                "retry_policy": retry_policy(setup.plugin.failover),
+                            }}],
                         }]},
                         "http_filters": http_filters,
                     },
@@ -404,21 +482,77 @@ pub fn free_port() -> Result<u16> {
 mod tests {
     use super::*;
 
+    fn endpoints() -> Vec<EndpointConfig> {
+        vec![
+            parse_endpoint("a=http://127.0.0.1:8001").unwrap(),
+            parse_endpoint("b=127.0.0.1:8002").unwrap(),
+        ]
+    }
+
     fn setup(balancer: Balancer) -> EnvoySetup {
         let plugin = PluginConfig {
-            endpoints: vec![
-                parse_endpoint("a=http://127.0.0.1:8001").unwrap(),
-                parse_endpoint("b=127.0.0.1:8002").unwrap(),
-            ],
+            discovery: Some(discovery(1000)),
             ..PluginConfig::default()
         };
         EnvoySetup {
             listen: "127.0.0.1:8080".parse().unwrap(),
-            admin: "127.0.0.1:9901".parse().unwrap(),
+            admin: "0.0.0.0:9901".parse().unwrap(),
             balancer,
             plugin,
+            pool: Pool::Static(endpoints()),
             wasm_path: "/x/prefixroute_plugin.wasm".into(),
         }
+    }
+
+    fn cluster<'a>(b: &'a Value, name: &str) -> &'a Value {
+        b["static_resources"]["clusters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no cluster {name}"))
+    }
+
+    #[test]
+    fn a_discovering_plugin_gets_a_loopback_admin_cluster_and_named_pool_members() {
+        let b = bootstrap(&setup(Balancer::Plugin)).unwrap();
+        let admin = &cluster(&b, ADMIN_CLUSTER)["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            [0]["endpoint"]["address"]["socket_address"];
+        assert_eq!(
+            admin["address"], "127.0.0.1",
+            "an unspecified admin is reached on loopback"
+        );
+        assert_eq!(admin["port_value"], 9901);
+        let members = &cluster(&b, POOL_CLUSTER)["load_assignment"]["endpoints"][0]["lb_endpoints"];
+        assert_eq!(members[1]["endpoint"]["hostname"], "b");
+        let route = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
+        assert_eq!(route["retry_policy"]["num_retries"], 2);
+        assert!(route["retry_policy"]["retry_on"]
+            .as_str()
+            .unwrap()
+            .contains("connect-failure"));
+    }
+
+    #[test]
+    fn an_eds_file_pool_is_watched_in_its_directory_and_a_static_plugin_has_no_admin_cluster() {
+        let mut s = setup(Balancer::Plugin);
+        s.pool = Pool::EdsFile("/srv/pool/eds.yaml".into());
+        s.plugin.discovery = None;
+        s.plugin.endpoints = endpoints();
+        let b = bootstrap(&s).unwrap();
+        let source =
+            &cluster(&b, POOL_CLUSTER)["eds_cluster_config"]["eds_config"]["path_config_source"];
+        assert_eq!(source["path"], "/srv/pool/eds.yaml");
+        assert_eq!(source["watched_directory"]["path"], "/srv/pool");
+        assert_eq!(b["node"]["id"], "prefixroute");
+        let names: Vec<&str> = b["static_resources"]["clusters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, [POOL_CLUSTER, "prefixroute_metrics"]);
     }
 
     #[test]
@@ -431,9 +565,9 @@ mod tests {
         assert_eq!(wasm["failure_policy"], "FAIL_RELOAD");
         let embedded = wasm["configuration"]["value"].as_str().unwrap();
         let parsed = PluginConfig::from_json(embedded.as_bytes()).unwrap();
-        assert_eq!(parsed.endpoints.len(), 2);
+        assert_eq!(parsed.discovery.unwrap().pool_cluster, POOL_CLUSTER);
         let clusters = b["static_resources"]["clusters"].as_array().unwrap();
-        assert_eq!(clusters.len(), 2);
+        assert_eq!(clusters.len(), 3);
         let lb = &clusters[0]["load_balancing_policy"]["policies"][0]["typed_extension_config"];
         assert_eq!(lb["name"], "envoy.load_balancing_policies.override_host");
         assert_eq!(
@@ -441,10 +575,7 @@ mod tests {
             "x-gateway-destination-endpoint"
         );
         assert_eq!(clusters[1]["name"], "prefixroute_metrics");
-        assert_eq!(
-            b["admin"]["address"]["socket_address"]["address"],
-            "127.0.0.1"
-        );
+        assert_eq!(b["admin"]["address"]["socket_address"]["port_value"], 9901);
     }
 
     #[test]

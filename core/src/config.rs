@@ -27,8 +27,10 @@ pub enum ConfigError {
     },
     #[error("invalid configuration JSON: {0}")]
     Json(String),
-    #[error("endpoints: at least one endpoint is required")]
+    #[error("endpoints: at least one endpoint is required (or configure discovery)")]
     NoEndpoints,
+    #[error("endpoints and discovery are exclusive: list the endpoints, or discover them from the pool cluster")]
+    EndpointsAndDiscovery,
     #[error("endpoints[{index}].address {address:?} is not ip:port")]
     BadAddress { index: usize, address: String },
     #[error("endpoints: name {0:?} is used twice")]
@@ -340,6 +342,82 @@ impl Default for ScrapeConfig {
     }
 }
 
+/// Where the plugin learns the pool's members at run time instead of a static `endpoints`
+/// list: Envoy's admin interface (`/clusters?format=json`, see core's `discovery`), reached by
+/// callouts through a loopback-only cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// The cluster the callouts go through: one member, Envoy's own admin address.
+    pub cluster: String,
+    /// The cluster whose members are the pool (the one override_host balances).
+    pub pool_cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Endpoints the shared prefix index is sized for. The table cannot grow at run time
+    /// (shared data cannot delete keys), so size it for the largest pool you expect; more
+    /// members still route, with a fuller table.
+    pub expected_endpoints: usize,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            cluster: "prefixroute_admin".into(),
+            pool_cluster: "prefixroute_pool".into(),
+            path: "/clusters?format=json".into(),
+            interval_ms: 1000,
+            timeout_ms: 500,
+            expected_endpoints: 16,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.cluster.is_empty() {
+            return Err(out_of_range("discovery.cluster", "a cluster name", "\"\""));
+        }
+        if self.pool_cluster.is_empty() {
+            return Err(out_of_range(
+                "discovery.pool_cluster",
+                "a cluster name",
+                "\"\"",
+            ));
+        }
+        if !self.path.starts_with('/') {
+            return Err(out_of_range(
+                "discovery.path",
+                "a path starting with /",
+                &self.path,
+            ));
+        }
+        if self.interval_ms < 100 {
+            return Err(out_of_range(
+                "discovery.interval_ms",
+                "at least 100",
+                self.interval_ms,
+            ));
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > self.interval_ms * 10 {
+            return Err(out_of_range(
+                "discovery.timeout_ms",
+                "between 1 and 10 × interval_ms",
+                self.timeout_ms,
+            ));
+        }
+        if !(1..=1024).contains(&self.expected_endpoints) {
+            return Err(out_of_range(
+                "discovery.expected_endpoints",
+                "between 1 and 1024",
+                self.expected_endpoints,
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The header that carries the chosen `ip:port` to Envoy's `override_host` policy: the Gateway
 /// API Inference Extension's contract.
 pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -348,7 +426,14 @@ pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PluginConfig {
+    /// A static pool; empty when `discovery` is set.
     pub endpoints: Vec<EndpointConfig>,
+    /// Learn the pool from Envoy's view of its cluster instead (see [`DiscoveryConfig`]).
+    pub discovery: Option<DiscoveryConfig>,
+    /// Next-best endpoints the destination header lists after the chosen one
+    /// (`ip:port,ip:port,…`), for the route's retry policy to walk when the chosen one refuses
+    /// the connection or resets the stream.
+    pub failover: usize,
     pub policy: Policy,
     pub weights: Weights,
     pub saturation: SaturationFilter,
@@ -376,6 +461,8 @@ impl Default for PluginConfig {
         let router = RouterConfig::default();
         PluginConfig {
             endpoints: Vec::new(),
+            discovery: None,
+            failover: 2,
             policy: router.policy,
             weights: router.weights,
             saturation: router.saturation,
@@ -449,8 +536,16 @@ impl PluginConfig {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.endpoints.is_empty() {
-            return Err(ConfigError::NoEndpoints);
+        match &self.discovery {
+            Some(_) if !self.endpoints.is_empty() => {
+                return Err(ConfigError::EndpointsAndDiscovery)
+            }
+            Some(discovery) => discovery.validate()?,
+            None if self.endpoints.is_empty() => return Err(ConfigError::NoEndpoints),
+            None => {}
+        }
+        if self.failover > 8 {
+            return Err(out_of_range("failover", "between 0 and 8", self.failover));
         }
         for (index, endpoint) in self.endpoints.iter().enumerate() {
             if !is_ip_port(&endpoint.address) {
@@ -597,6 +692,18 @@ mod tests {
     }
 
     #[test]
+    fn a_discovered_pool_needs_no_endpoint_list() {
+        let c = plugin(r#"{"discovery":{"pool_cluster":"llm"}}"#).unwrap();
+        assert!(c.endpoints.is_empty());
+        let d = c.discovery.unwrap();
+        assert_eq!(
+            (d.cluster.as_str(), d.pool_cluster.as_str(), d.interval_ms),
+            ("prefixroute_admin", "llm", 1000)
+        );
+        assert_eq!(c.failover, 2);
+    }
+
+    #[test]
     fn plugin_config_errors_are_specific() {
         let cases = [
             ("", "invalid configuration JSON"),
@@ -618,6 +725,26 @@ mod tests {
                 "address \"1.2.3.4:1\" is used twice",
             ),
             (r#"{"endpoints":[],"polcy":"x"}"#, "unknown field `polcy`"),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"discovery":{}}"#,
+                "endpoints and discovery are exclusive",
+            ),
+            (
+                r#"{"discovery":{"interval_ms":10}}"#,
+                "discovery.interval_ms must be at least 100, got 10",
+            ),
+            (
+                r#"{"discovery":{"pool_cluster":""}}"#,
+                "discovery.pool_cluster must be a cluster name",
+            ),
+            (
+                r#"{"discovery":{"clutser":"x"}}"#,
+                "unknown field `clutser`",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"failover":9}"#,
+                "failover must be between 0 and 8, got 9",
+            ),
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"block_size":16.5}"#,
                 "block_size: invalid type",

@@ -648,6 +648,28 @@ impl RequestLedger {
         }
     }
 
+    /// The same account over a changed pool: `previous[new]` is the index endpoint `new` had
+    /// before (`None` for a newcomer, which starts empty). Endpoints that left take their work
+    /// and their learned rates with them; the fleet-wide fits stay.
+    pub fn remapped(&self, previous: &[Option<usize>]) -> RequestLedger {
+        let mut next = RequestLedger::new(previous.len());
+        next.learned.lanes = self.learned.lanes;
+        next.learned.hold = self.learned.hold;
+        for (new, old) in previous.iter().enumerate() {
+            let Some(old) = *old else { continue };
+            if let Some(w) = self.work.get(old) {
+                next.work[new] = *w;
+            }
+            if let Some(s) = self.sent.get(old) {
+                next.sent[new] = *s;
+            }
+            if let Some(r) = self.learned.rates.get(old) {
+                next.learned.rates[new] = *r;
+            }
+        }
+        next
+    }
+
     /// A request went to `endpoint` with the prediction the router made for it there.
     pub fn sent(&mut self, endpoint: usize, prediction: &Prediction) {
         let uncached = prediction.uncached_tokens as u64;
@@ -1429,6 +1451,29 @@ mod tests {
         assert_eq!(pooled.hold, HoldTime::default());
         assert_eq!(pooled.rates[0], a.rates[0]);
         assert_eq!(pooled.lanes, b.lanes);
+    }
+
+    #[test]
+    fn a_remapped_ledger_follows_endpoints_to_their_new_index_and_drops_the_ones_that_left() {
+        let mut ledger = RequestLedger::new(3);
+        let p = Prediction {
+            uncached_tokens: 7,
+            ..Prediction::default()
+        };
+        ledger.sent(0, &p);
+        ledger.sent(2, &p);
+        ledger.sent(2, &p);
+        ledger.learned.rates[2].work_tokens = 99.0;
+        ledger.learned.lanes.excess[0] = 5.0;
+        // Endpoint 1 left, 2 moved to index 0, and a newcomer took index 1.
+        let next = ledger.remapped(&[Some(2), None]);
+        assert_eq!(next.work.len(), 2);
+        assert_eq!(next.work[0].in_flight, 2);
+        assert_eq!(next.work[0].prefill_tokens, 14);
+        assert_eq!(next.work[1], EndpointWork::default());
+        assert_eq!(next.learned.rates[0].work_tokens, 99.0);
+        assert_eq!(next.learned.rates[1], PrefillRate::default());
+        assert_eq!(next.learned.lanes.excess[0], 5.0);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! body → prompt ([`request`]) → tokens ([`tokenizer`]) → block hashes ([`hashing`]) →
 //! index lookup ([`index`]) → predicted time to first token ([`latency`]) or scores
 //! ([`scorer`]) → pick → commit ([`router`]). [`metrics`] reads the servers' Prometheus pages,
-//! [`config`] the plugin's configuration.
+//! [`config`] the plugin's configuration, [`discovery`] the pool's members as Envoy's admin
+//! interface lists them.
 //!
 //! Everything here is pure and deterministic: no threads, files, clocks or sockets, so the
 //! same code runs natively, in the proxy-wasm plugin and in the browser. Randomness comes from
@@ -13,6 +14,7 @@
 //! `prefixroute-pool`.
 
 pub mod config;
+pub mod discovery;
 pub mod hashing;
 pub mod index;
 pub mod latency;

@@ -53,6 +53,9 @@ pub struct Decision {
     pub scores: Vec<EndpointScores>,
     /// The best endpoint not picked (by the policy's score), if any other was eligible.
     pub runner_up: Option<usize>,
+    /// Every other eligible endpoint, best first (by score; in rotation order for
+    /// round-robin and random): where a failover goes when the chosen one refuses.
+    pub next_best: Vec<usize>,
     /// No eligible endpoint held any block of the request.
     pub cold: bool,
     /// The winner was drawn among endpoints with exactly equal scores.
@@ -283,6 +286,15 @@ impl<S: PrefixStore> Router<S> {
         self.endpoints
     }
 
+    /// The pool changed to `endpoints` members (the store already describes them). What the
+    /// router kept per endpoint (no-hit-lru's memory) starts over; callers that share it
+    /// (the plugin) set it again before every pick anyway.
+    pub fn set_endpoints(&mut self, endpoints: usize) {
+        self.endpoints = endpoints;
+        self.last_cold = vec![None; endpoints];
+        self.next_round_robin = self.next_round_robin.min(endpoints.saturating_sub(1));
+    }
+
     pub fn store(&self) -> &S {
         &self.store
     }
@@ -333,9 +345,18 @@ impl<S: PrefixStore> Router<S> {
         let continuation = (0..n).any(|e| filter.eligible[e] && matches.continues[e]);
         let scores = self.score(hashes, &matches, &loads, &filter, cold);
         let (endpoint, tie) = self.choose(&scores, &filter.eligible);
-        let runner_up = match policy {
-            Policy::RoundRobin | Policy::Random => None,
-            _ => runner_up(&scores, &filter.eligible, endpoint),
+        let (runner_up, next_best) = match policy {
+            Policy::RoundRobin | Policy::Random => {
+                let rotation = (1..n)
+                    .map(|k| (endpoint + k) % n)
+                    .filter(|&i| filter.eligible[i])
+                    .collect();
+                (None, rotation)
+            }
+            _ => {
+                let ranked = ranked_after(&scores, &filter.eligible, endpoint);
+                (ranked.first().copied(), ranked)
+            }
         };
         Ok(Decision {
             endpoint,
@@ -344,6 +365,7 @@ impl<S: PrefixStore> Router<S> {
             total_tokens: hashes.total_tokens(),
             scores,
             runner_up,
+            next_best,
             cold,
             tie,
             all_down: filter.all_down,
@@ -623,13 +645,18 @@ pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
 }
 
 /// The best eligible endpoint other than `chosen`, by the policy's score (first on ties).
+/// The eligible endpoints other than `chosen`, best score first (ties: lower index first).
+pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Vec<usize> {
+    let mut ranked: Vec<usize> = (0..scores.len())
+        .filter(|&i| i != chosen && eligible.get(i).copied().unwrap_or(false))
+        .collect();
+    // Stable: equal totals keep index order. NaN totals cannot occur (scores are finite).
+    ranked.sort_by(|&a, &b| scores[b].total.total_cmp(&scores[a].total));
+    ranked
+}
+
 pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
-    (0..scores.len())
-        .filter(|&i| i != chosen && eligible[i])
-        .fold(None, |best: Option<usize>, i| match best {
-            Some(b) if scores[b].total >= scores[i].total => Some(b),
-            _ => Some(i),
-        })
+    ranked_after(scores, eligible, chosen).first().copied()
 }
 
 #[cfg(test)]
@@ -926,5 +953,8 @@ mod tests {
         assert_eq!(r.choose(&scores, &[false, true, true]), (2, false));
         assert_eq!(runner_up(&scores, &[true, true, true], 0), Some(2));
         assert_eq!(runner_up(&scores, &[true, false, false], 0), None);
+        assert_eq!(ranked_after(&scores, &[true, true, true], 0), [2, 1]);
+        assert_eq!(ranked_after(&scores, &[true, true, true], 2), [0, 1]);
+        assert_eq!(ranked_after(&scores, &[false, true, true], 2), [1]);
     }
 }

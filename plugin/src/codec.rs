@@ -39,6 +39,15 @@ impl Writer {
     pub fn f64(&mut self, v: f64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    /// A string of at most `u16::MAX` bytes, length first (longer ones are cut at a char).
+    pub fn str(&mut self, v: &str) {
+        let mut end = v.len().min(u16::MAX as usize);
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u16(end as u16);
+        self.0.extend_from_slice(&v.as_bytes()[..end]);
+    }
 }
 
 /// Reads little-endian fields; every read is `None` past the end.
@@ -75,6 +84,15 @@ impl<'a> Reader<'a> {
     }
     pub fn f64(&mut self) -> Option<f64> {
         self.take().map(f64::from_le_bytes)
+    }
+    pub fn str(&mut self) -> Option<String> {
+        let n = self.u16()? as usize;
+        if self.bytes.len() < n {
+            return None;
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        String::from_utf8(head.to_vec()).ok()
     }
     pub fn remaining(&self) -> usize {
         self.bytes.len()
@@ -522,6 +540,65 @@ pub struct Member {
     pub registered_ms: u64,
 }
 
+/// The pool's membership as discovered, `prefixroute/members/<pool cluster>`: what every worker
+/// routes over, and the discovery lease. Layout: `layout u8 | version u64 | next_discovery_ms
+/// u64 | n u16 | n × (flags u8 (1 = routable), address str, name str)`, a `str` being `len u16 |
+/// UTF-8 bytes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Bumped by every change; a worker rebuilds its endpoint tables when it differs from the
+    /// one it built them from.
+    pub version: u64,
+    /// Discovery lease: the root context that moves this forward (by CAS) sends the next call.
+    pub next_discovery_ms: u64,
+    pub members: Vec<PoolMember>,
+}
+
+pub use prefixroute_core::discovery::Member as PoolMember;
+
+const FLAG_ROUTABLE: u8 = 1;
+
+impl Membership {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        w.u64(self.version);
+        w.u64(self.next_discovery_ms);
+        let members = &self.members[..self.members.len().min(u16::MAX as usize)];
+        w.u16(members.len() as u16);
+        for m in members {
+            w.u8(if m.routable { FLAG_ROUTABLE } else { 0 });
+            w.str(&m.address);
+            w.str(&m.name);
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        let version = r.u64()?;
+        let next_discovery_ms = r.u64()?;
+        let n = r.u16()? as usize;
+        // Each member takes at least five bytes: refuse a count the value cannot hold.
+        if r.remaining() < n * 5 {
+            return None;
+        }
+        let mut members = Vec::with_capacity(n);
+        for _ in 0..n {
+            let flags = r.u8()?;
+            members.push(PoolMember {
+                routable: flags & FLAG_ROUTABLE != 0,
+                address: r.str()?,
+                name: r.str()?,
+            });
+        }
+        Some(Membership {
+            version,
+            next_discovery_ms,
+            members,
+        })
+    }
+}
+
 /// The instance registry, `prefixroute/instances`. Layout: `layout u8 | next_nonce u64 |
 /// n u16 | n × (slot u32, nonce u64, registered_ms u64)`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -633,6 +710,42 @@ mod tests {
             ..ServerMetrics::default()
         });
         assert_eq!(EndpointState::decode(&s.encode()), Some(s));
+    }
+
+    #[test]
+    fn a_membership_round_trips_and_truncation_or_a_huge_count_decodes_as_none() {
+        let m = Membership {
+            version: 9,
+            next_discovery_ms: 1_700_000_000_000,
+            members: vec![
+                PoolMember {
+                    address: "10.0.0.1:8000".into(),
+                    name: "vllm-0".into(),
+                    routable: true,
+                },
+                PoolMember {
+                    address: "[::1]:8000".into(),
+                    name: "réplica".into(),
+                    routable: false,
+                },
+            ],
+        };
+        let bytes = m.encode();
+        assert_eq!(Membership::decode(&bytes), Some(m.clone()));
+        for cut in 0..bytes.len() {
+            assert_eq!(Membership::decode(&bytes[..cut]), None, "cut at {cut}");
+        }
+        let mut huge = bytes.clone();
+        huge[17..19].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(Membership::decode(&huge), None);
+        let mut bad_utf8 = bytes;
+        let at = bad_utf8.len() - 1;
+        bad_utf8[at] = 0xff;
+        assert_eq!(Membership::decode(&bad_utf8), None);
+        assert_eq!(
+            Membership::decode(&Membership::default().encode()),
+            Some(Membership::default())
+        );
     }
 
     #[test]

@@ -22,16 +22,20 @@ pub enum FallbackReason {
     BodyUnavailable,
     /// The plugin state was unavailable (re-entrant call or not configured).
     Internal,
+    /// The discovered pool has no member (yet): no destination is set, so Envoy's
+    /// override_host `fallback_policy` picks.
+    NoEndpoints,
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 6] = [
+    pub const ALL: [FallbackReason; 7] = [
         FallbackReason::NotRoutable,
         FallbackReason::NoBody,
         FallbackReason::BodyTooLarge,
         FallbackReason::ParseError,
         FallbackReason::BodyUnavailable,
         FallbackReason::Internal,
+        FallbackReason::NoEndpoints,
     ];
 
     /// Stable name used in stats and the `x-prefixroute-fallback` response header.
@@ -43,6 +47,7 @@ impl FallbackReason {
             FallbackReason::ParseError => "parse_error",
             FallbackReason::BodyUnavailable => "body_unavailable",
             FallbackReason::Internal => "internal",
+            FallbackReason::NoEndpoints => "no_endpoints",
         }
     }
 }
@@ -73,6 +78,17 @@ pub fn choose(down: &[bool], in_flight: &[u32], cursor: &mut usize) -> usize {
     let chosen = best.unwrap_or(start);
     *cursor = chosen + 1;
     chosen
+}
+
+/// Where a fallback request retries if `chosen` refuses: up to `k` other endpoints that are
+/// up, in rotation order after it.
+pub fn failover(down: &[bool], chosen: usize, k: usize) -> Vec<usize> {
+    let n = down.len();
+    (1..n)
+        .map(|step| (chosen + step) % n)
+        .filter(|&i| !down[i])
+        .take(k)
+        .collect()
 }
 
 #[cfg(test)]
@@ -106,6 +122,13 @@ mod tests {
         assert_eq!(choose(&[true, true], &[5, 1], &mut cursor), 1);
         assert_eq!(choose(&[], &[], &mut cursor), 0);
         assert_eq!(choose(&[false, false], &[], &mut cursor), 0);
+    }
+
+    #[test]
+    fn failover_lists_up_endpoints_after_the_chosen_one() {
+        assert_eq!(failover(&[false, true, false, false], 2, 2), [3, 0]);
+        assert_eq!(failover(&[false, false], 0, 0), Vec::<usize>::new());
+        assert_eq!(failover(&[], usize::MAX, 2), Vec::<usize>::new());
     }
 
     #[test]

@@ -100,11 +100,16 @@ impl Filter {
         };
         let choice = decide(&mut e, abi::now_ms());
         let header = e.config().destination_header.clone();
-        let address = e.address(choice.endpoint).to_string();
+        let destination = e.destination(&choice);
         flush(&mut e, &self.metrics);
         drop(e);
         self.choice = Some(choice);
-        if abi::replace_header(MapType::HttpRequestHeaders, &header, &address).is_err() {
+        // No destination (an empty pool): the header stays removed and Envoy's
+        // fallback_policy picks.
+        let Some(destination) = destination else {
+            return;
+        };
+        if abi::replace_header(MapType::HttpRequestHeaders, &header, &destination).is_err() {
             self.count(Event::HeaderError);
         }
     }
@@ -126,7 +131,8 @@ impl Filter {
             return;
         }
         self.released = true;
-        let (Some(choice), Some(scheduler)) = (self.choice, self.scheduler.as_ref()) else {
+        let (Some(choice), Some(scheduler)) = (self.choice.as_ref(), self.scheduler.as_ref())
+        else {
             return;
         };
         if let Ok(mut e) = scheduler.try_borrow_mut() {
@@ -216,7 +222,8 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.first_byte();
-        let (Some(choice), Some(scheduler)) = (self.choice, self.scheduler.as_ref()) else {
+        let (Some(choice), Some(scheduler)) = (self.choice.as_ref(), self.scheduler.as_ref())
+        else {
             return Action::Continue;
         };
         let Ok(e) = scheduler.try_borrow() else {

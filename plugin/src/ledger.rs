@@ -90,6 +90,26 @@ impl Ledger {
         }
     }
 
+    /// The pool changed: this instance's account follows each endpoint that stays to its new
+    /// index (by id); what it had on endpoints that left is dropped, and newcomers start
+    /// empty. Published with the next write, so peers stop counting the leavers too.
+    pub fn set_endpoints(&mut self, ids: EndpointIds) {
+        let previous: Vec<Option<usize>> = (0..ids.len())
+            .map(|e| ids.id(e).and_then(|id| self.ids.index(id)))
+            .collect();
+        self.own = self.own.remapped(&previous);
+        self.ids = ids;
+    }
+
+    /// The index of the endpoint with `id` in the current pool.
+    pub fn index_of(&self, id: u64) -> Option<usize> {
+        self.ids.index(id)
+    }
+
+    pub fn id_of(&self, endpoint: usize) -> Option<u64> {
+        self.ids.id(endpoint)
+    }
+
     /// This instance's own work per endpoint.
     pub fn local(&self) -> &[EndpointWork] {
         &self.own.work

@@ -12,7 +12,7 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 use crate::abi;
 use crate::host::{self, HostShared, Metrics};
 use crate::http::Filter;
-use crate::scheduler::Scheduler;
+use crate::scheduler::{DiscoveryOutcome, Scheduler};
 use crate::settings::load_config;
 
 pub type SharedScheduler = Rc<RefCell<Scheduler<HostShared>>>;
@@ -33,6 +33,8 @@ pub struct PluginRoot {
     metrics: Rc<RefCell<Metrics>>,
     /// Warn about an unusable scrape cluster once, not every tick.
     dispatch_warned: bool,
+    /// The discovery is failing and that was logged: say it again only once it recovers.
+    discovery_warned: bool,
 }
 
 impl PluginRoot {
@@ -41,6 +43,97 @@ impl PluginRoot {
             scheduler: None,
             metrics: Rc::new(RefCell::new(Metrics::default())),
             dispatch_warned: false,
+            discovery_warned: false,
+        }
+    }
+
+    /// Sends the discovery callout when this instance holds its lease.
+    fn discover(&mut self, scheduler: &SharedScheduler, now: u64) {
+        let (cluster, timeout, headers) = {
+            let Ok(mut e) = scheduler.try_borrow_mut() else {
+                return;
+            };
+            if !e.claim_discovery(now) {
+                flush(&mut e, &self.metrics);
+                return;
+            }
+            let Some(d) = e.config().discovery.as_ref() else {
+                return;
+            };
+            let headers: Vec<(String, String)> = e
+                .discovery_headers()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            (d.cluster.clone(), d.timeout_ms, headers)
+        };
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let sent = proxy_wasm::hostcalls::dispatch_http_call(
+            &cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(timeout),
+        );
+        let Ok(mut e) = scheduler.try_borrow_mut() else {
+            return;
+        };
+        match sent {
+            Ok(token) => e.discovery_sent(token, now),
+            Err(status) => {
+                e.discovery_not_sent();
+                self.warn_discovery(&format!(
+                    "cannot send the discovery callout through cluster {cluster:?} (status \
+                     {status:?}): does the cluster exist in Envoy's configuration?"
+                ));
+            }
+        }
+        flush(&mut e, &self.metrics);
+    }
+
+    /// Logs a discovery failure once per outage; the last membership stays in use.
+    fn warn_discovery(&mut self, what: &str) {
+        if !self.discovery_warned {
+            self.discovery_warned = true;
+            host::warn(&format!(
+                "prefixroute: {what}; routing over the last known pool"
+            ));
+        }
+    }
+
+    fn discovered(&mut self, e: &Scheduler<HostShared>, outcome: DiscoveryOutcome) {
+        match outcome {
+            DiscoveryOutcome::Applied(change) => {
+                if self.discovery_warned {
+                    self.discovery_warned = false;
+                    host::info("prefixroute: the discovery answers again");
+                }
+                if let Some(change) = change {
+                    let pool = e
+                        .config()
+                        .discovery
+                        .as_ref()
+                        .map(|d| d.pool_cluster.as_str());
+                    host::info(&format!(
+                        "prefixroute: pool {:?} has {} members ({} routable): added {:?}, \
+                         removed {:?}, changed {:?}",
+                        pool.unwrap_or(""),
+                        e.endpoints(),
+                        e.members().iter().filter(|m| m.routable).count(),
+                        change.added,
+                        change.removed,
+                        change.updated,
+                    ));
+                }
+            }
+            DiscoveryOutcome::Failed(status) => self.warn_discovery(&format!(
+                "the discovery callout failed (status {})",
+                status.map_or_else(|| "none: reset or timeout".to_string(), |s| s.to_string())
+            )),
+            DiscoveryOutcome::Unusable(why) => self.warn_discovery(&why),
         }
     }
 
@@ -132,6 +225,12 @@ impl Context for PluginRoot {
             return;
         };
         let now = abi::now_ms();
+        if e.is_discovery(token_id) {
+            let outcome = e.discovery_done(status, &body);
+            self.discovered(&e, outcome);
+            flush(&mut e, &self.metrics);
+            return;
+        }
         if let Some((endpoint, t)) = e.scrape_done(token_id, status, &body, now) {
             let who = format!("{} ({})", e.name(endpoint), e.address(endpoint));
             if t.went_down {
@@ -178,10 +277,16 @@ impl RootContext for PluginRoot {
             host::warn("prefixroute: the host refused a tick period; metrics will not be scraped");
         }
         let c = scheduler.config();
+        let pool = match &c.discovery {
+            Some(d) => format!(
+                "pool discovered from cluster {:?} via {:?} every {} ms",
+                d.pool_cluster, d.cluster, d.interval_ms
+            ),
+            None => format!("{} endpoints", c.endpoints.len()),
+        };
         host::info(&format!(
-            "prefixroute: {} endpoints, policy {}, destination header {}, scrape {} every {} ms \
+            "prefixroute: {pool}, policy {}, destination header {}, scrape {} every {} ms \
              via cluster {:?} (tick {} ms, index table 2^{} buckets)",
-            c.endpoints.len(),
             c.policy,
             c.destination_header,
             c.scrape.path,
@@ -196,7 +301,9 @@ impl RootContext for PluginRoot {
 
     fn on_tick(&mut self) {
         if let Some(scheduler) = self.scheduler.clone() {
-            self.scrape(&scheduler, abi::now_ms());
+            let now = abi::now_ms();
+            self.scrape(&scheduler, now);
+            self.discover(&scheduler, now);
         }
     }
 

@@ -6,22 +6,23 @@
 use std::collections::BTreeMap;
 
 use prefixroute_core::config::PluginConfig;
+use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::hashing::{hash_request, HashConfig};
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
-use crate::codec::{CalibrationRecord, EndpointState};
+use crate::codec::{CalibrationRecord, EndpointState, Membership};
 use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
 use crate::settings::{instance_stale_ms, tick_ms};
 use crate::shared::{
-    calibration_key, cas_update, endpoint_key, CasOutcome, EndpointIds, SharedData,
-    SharedDataErrors,
+    calibration_key, cas_update, endpoint_key, members_key, read_or_default, CasOutcome,
+    EndpointIds, SharedData, SharedDataErrors,
 };
-use crate::stats::{stat_token, Event, ScrapeEnd};
-use crate::store::SharedIndex;
+use crate::stats::{stat_token, CalloutEnd, Event};
+use crate::store::{table_bits, SharedIndex};
 
 /// How a request's endpoint was chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,6 +45,9 @@ pub enum Route {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ticket {
     pub endpoint: usize,
+    /// The endpoint's stable id (its address's): the pool may change while the request is in
+    /// flight, and its index with it. 0 for a request with no endpoint.
+    pub endpoint_id: u64,
     pub uncached_tokens: u64,
     /// The prediction for the chosen endpoint (under every policy); `None` for fallbacks,
     /// which teach the rate estimator nothing.
@@ -55,22 +59,49 @@ pub struct Ticket {
     pub answered: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
+    /// The chosen endpoint; out of range (no destination) when the pool is empty.
     pub endpoint: usize,
+    /// Where a retry goes if the chosen endpoint refuses: the next best, best first (at most
+    /// `failover` of them).
+    pub failover: Vec<usize>,
     pub route: Route,
     pub ticket: Ticket,
+}
+
+/// A discovered membership as this instance last applied it.
+#[derive(Debug, Clone, Default)]
+struct Pool {
+    /// The shared record's version it was built from (0 = the static configuration).
+    version: u64,
+    members: Vec<Member>,
+    /// The discovery callout this instance sent and awaits, with when it was sent.
+    awaiting: Option<(u32, u64)>,
+}
+
+/// What a discovery answer changed, for the root context to log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoveryOutcome {
+    /// The answer was used; the membership changed as described (`None`: it did not).
+    Applied(Option<Change>),
+    /// Envoy answered with this status (or not at all): the last membership stays.
+    Failed(Option<u32>),
+    /// The page did not give the pool's members (the message says why).
+    Unusable(String),
 }
 
 /// A scrape callout this instance sent and awaits.
 #[derive(Debug, Clone, Copy)]
 struct Pending {
-    endpoint: usize,
+    /// The scraped endpoint's id: the pool may change before the answer comes.
+    endpoint_id: u64,
     sent_ms: u64,
 }
 
 pub struct Scheduler<H: SharedData> {
     config: PluginConfig,
+    pool: Pool,
     stat_names: Vec<String>,
     keys: Vec<String>,
     router: Router<SharedIndex<H>>,
@@ -84,16 +115,21 @@ pub struct Scheduler<H: SharedData> {
 
 impl<H: SharedData> Scheduler<H> {
     pub fn new(host: H, config: PluginConfig) -> Self {
-        let addresses: Vec<String> = config.endpoints.iter().map(|e| e.address.clone()).collect();
+        let members: Vec<Member> = config.endpoints.iter().map(Member::from_endpoint).collect();
+        let addresses: Vec<String> = members.iter().map(|m| m.address.clone()).collect();
         let router_config = config.router_config();
-        let store = SharedIndex::new(host, &addresses, config.index_capacity_blocks);
+        // A discovered pool's table is sized for the pool it may grow to, once: every worker
+        // must map hashes to the same buckets whatever the membership is now.
+        let sized_for = config
+            .discovery
+            .as_ref()
+            .map_or(addresses.len(), |d| d.expected_endpoints);
+        let bits = table_bits(sized_for, config.index_capacity_blocks);
+        let store =
+            SharedIndex::with_table_bits(host, &addresses, config.index_capacity_blocks, bits);
         let tick = tick_ms(config.scrape.interval_ms);
         Scheduler {
-            stat_names: config
-                .endpoints
-                .iter()
-                .map(|e| stat_token(&e.name))
-                .collect(),
+            stat_names: members.iter().map(|m| stat_token(&m.name)).collect(),
             keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             router: Router::with_store(router_config, addresses.len(), store),
             hash: router_config.hash,
@@ -102,6 +138,11 @@ impl<H: SharedData> Scheduler<H> {
             pending: BTreeMap::new(),
             events: Vec::new(),
             tick_ms: tick,
+            pool: Pool {
+                version: 0,
+                members,
+                awaiting: None,
+            },
             config,
         }
     }
@@ -115,22 +156,42 @@ impl<H: SharedData> Scheduler<H> {
     }
 
     pub fn endpoints(&self) -> usize {
-        self.config.endpoints.len()
+        self.pool.members.len()
     }
 
-    /// `ip:port` of an endpoint (the destination header value).
+    /// The pool routed over now: the configured endpoints, or the discovered members.
+    pub fn members(&self) -> &[Member] {
+        &self.pool.members
+    }
+
+    /// `ip:port` of an endpoint.
     pub fn address(&self, endpoint: usize) -> &str {
-        self.config
-            .endpoints
+        self.pool
+            .members
             .get(endpoint)
             .map_or("", |e| e.address.as_str())
     }
 
     pub fn name(&self, endpoint: usize) -> &str {
-        self.config
-            .endpoints
+        self.pool
+            .members
             .get(endpoint)
             .map_or("", |e| e.name.as_str())
+    }
+
+    /// The destination header's value: the chosen `ip:port`, then the failover ones
+    /// (`ip:port,ip:port,…`, which override_host walks on retries); `None` when the choice has
+    /// no endpoint (an empty pool), so Envoy's fallback policy picks.
+    pub fn destination(&self, choice: &Choice) -> Option<String> {
+        let first = self.pool.members.get(choice.endpoint)?;
+        let mut value = first.address.clone();
+        for &e in &choice.failover {
+            if let Some(m) = self.pool.members.get(e) {
+                value.push(',');
+                value.push_str(&m.address);
+            }
+        }
+        Some(value)
     }
 
     /// Endpoint names as they appear in stat names.
@@ -148,6 +209,9 @@ impl<H: SharedData> Scheduler<H> {
 
     /// Routes a complete request body; anything the core cannot parse goes to the fallback.
     pub fn route(&mut self, body: &[u8], now_ms: u64) -> Choice {
+        if self.endpoints() == 0 {
+            return self.fallback(FallbackReason::NoEndpoints, now_ms);
+        }
         let request = match parse_request(body) {
             Ok(r) => r,
             Err(_) => return self.fallback(FallbackReason::ParseError, now_ms),
@@ -191,8 +255,15 @@ impl<H: SharedData> Scheduler<H> {
             endpoint,
             cold: decision.cold,
         });
+        let failover = decision
+            .next_best
+            .iter()
+            .copied()
+            .take(self.config.failover)
+            .collect();
         Choice {
             endpoint,
+            failover,
             route: Route::Routed {
                 policy: decision.policy,
                 matched_blocks: decision.matched_blocks(),
@@ -202,6 +273,7 @@ impl<H: SharedData> Scheduler<H> {
             },
             ticket: Ticket {
                 endpoint,
+                endpoint_id: self.ledger.id_of(endpoint).unwrap_or_default(),
                 uncached_tokens: uncached,
                 prediction: Some(prediction),
                 sent_ms: now_ms,
@@ -219,6 +291,7 @@ impl<H: SharedData> Scheduler<H> {
         let learned = pooled.learned.estimate(&self.config.latency);
         self.router.set_growth(pooled.growth);
         let stale_after = self.config.scrape.stale_after_ms;
+        let routable: Vec<bool> = self.pool.members.iter().map(|m| m.routable).collect();
         (0..self.endpoints())
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
@@ -231,7 +304,7 @@ impl<H: SharedData> Scheduler<H> {
                     let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
                     (
                         scaled_capacity(capacity, state.calibration),
-                        estimate_load(metrics, pooled.work[e], state.down),
+                        estimate_load(metrics, pooled.work[e], state.down || !routable[e]),
                     )
                 });
                 self.router.set_capacity(e, capacity);
@@ -269,9 +342,12 @@ impl<H: SharedData> Scheduler<H> {
         self.router.store_mut().begin_request();
         let down: Vec<bool> = (0..self.endpoints())
             .map(|e| {
-                self.router
-                    .store()
-                    .with_endpoint_state(e, |state| state.down)
+                let routable = self.pool.members[e].routable;
+                !routable
+                    || self
+                        .router
+                        .store()
+                        .with_endpoint_state(e, |state| state.down)
             })
             .collect();
         let errors = self.router.store_mut().end_request();
@@ -283,14 +359,20 @@ impl<H: SharedData> Scheduler<H> {
             .iter()
             .map(|w| w.in_flight)
             .collect();
-        let endpoint = fallback::choose(&down, &in_flight, &mut self.fallback_cursor);
+        let endpoint = if down.is_empty() {
+            usize::MAX
+        } else {
+            fallback::choose(&down, &in_flight, &mut self.fallback_cursor)
+        };
         self.acquire(endpoint, &Prediction::default(), now_ms);
         self.events.push(Event::Fallback { reason, endpoint });
         Choice {
             endpoint,
+            failover: fallback::failover(&down, endpoint, self.config.failover),
             route: Route::Fallback(reason),
             ticket: Ticket {
                 endpoint,
+                endpoint_id: self.ledger.id_of(endpoint).unwrap_or_default(),
                 uncached_tokens: 0,
                 prediction: None,
                 sent_ms: now_ms,
@@ -321,9 +403,12 @@ impl<H: SharedData> Scheduler<H> {
             .filter(|_| success)
             .map(|p| Observation::of(&p, elapsed));
         let latency = self.config.latency;
+        let Some(endpoint) = self.ledger.index_of(ticket.endpoint_id) else {
+            return; // It left the pool, and its work with it.
+        };
         self.ledger.first_byte(
             self.router.store().host(),
-            ticket.endpoint,
+            endpoint,
             ticket.uncached_tokens,
             observation,
             &latency,
@@ -344,13 +429,11 @@ impl<H: SharedData> Scheduler<H> {
             .first_byte_ms
             .filter(|_| ticket.answered)
             .map(|at| now_ms.saturating_sub(at) as f64);
-        self.ledger.release(
-            self.router.store().host(),
-            ticket.endpoint,
-            pending,
-            hold,
-            now_ms,
-        );
+        let Some(endpoint) = self.ledger.index_of(ticket.endpoint_id) else {
+            return;
+        };
+        self.ledger
+            .release(self.router.store().host(), endpoint, pending, hold, now_ms);
         self.drain_ledger_counts();
     }
 
@@ -386,6 +469,7 @@ impl<H: SharedData> Scheduler<H> {
     /// Periodic work of a root context: heartbeat and reap in-flight counts, publish gauges,
     /// and claim due scrapes. Returns the endpoints this instance must scrape now.
     pub fn tick(&mut self, now_ms: u64) -> Vec<usize> {
+        self.follow_pool();
         self.ledger.tick(self.router.store().host(), now_ms);
         self.drain_ledger_counts();
         // A callout always completes (Envoy enforces its timeout), but never let a lost one
@@ -398,7 +482,8 @@ impl<H: SharedData> Scheduler<H> {
         let mut due = Vec::new();
         for (e, work) in pooled.work.iter().enumerate() {
             let key = &self.keys[e];
-            let awaiting = self.pending.values().any(|p| p.endpoint == e);
+            let id = self.ledger.id_of(e);
+            let awaiting = self.pending.values().any(|p| Some(p.endpoint_id) == id);
             let (claim, state) = if awaiting {
                 (Claim::NotDue, scrape::read(self.host(), key))
             } else {
@@ -442,10 +527,13 @@ impl<H: SharedData> Scheduler<H> {
 
     /// The callout for `endpoint` was sent with `token`.
     pub fn scrape_sent(&mut self, token: u32, endpoint: usize, now_ms: u64) {
+        let Some(endpoint_id) = self.ledger.id_of(endpoint) else {
+            return;
+        };
         self.pending.insert(
             token,
             Pending {
-                endpoint,
+                endpoint_id,
                 sent_ms: now_ms,
             },
         );
@@ -456,7 +544,7 @@ impl<H: SharedData> Scheduler<H> {
     pub fn scrape_not_sent(&mut self, endpoint: usize) {
         self.events.push(Event::Scrape {
             endpoint,
-            end: ScrapeEnd::DispatchError,
+            end: CalloutEnd::DispatchError,
         });
     }
 
@@ -469,7 +557,9 @@ impl<H: SharedData> Scheduler<H> {
         body: &[u8],
         now_ms: u64,
     ) -> Option<(usize, Transition)> {
-        let Pending { endpoint, .. } = self.pending.remove(&token)?;
+        let Pending { endpoint_id, .. } = self.pending.remove(&token)?;
+        // An endpoint that left the pool meanwhile: its answer no longer matters.
+        let endpoint = self.ledger.index_of(endpoint_id)?;
         let observation = scrape::observe(
             status,
             body,
@@ -477,9 +567,9 @@ impl<H: SharedData> Scheduler<H> {
             self.config.model.as_deref(),
         );
         let end = match observation {
-            scrape::Observation::Metrics(_) => ScrapeEnd::Ok,
-            scrape::Observation::Unparseable => ScrapeEnd::Unparseable,
-            scrape::Observation::Failed => ScrapeEnd::Failed,
+            scrape::Observation::Metrics(_) => CalloutEnd::Ok,
+            scrape::Observation::Unparseable => CalloutEnd::Unparseable,
+            scrape::Observation::Failed => CalloutEnd::Failed,
         };
         let calibration = match &observation {
             scrape::Observation::Metrics(m) => self.calibrate(endpoint, m, now_ms),
@@ -565,10 +655,203 @@ impl<H: SharedData> Scheduler<H> {
         scale
     }
 
+    /// Applies the shared membership if another instance changed it since we last looked
+    /// (one `get` per tick). Nothing to follow for a static pool.
+    fn follow_pool(&mut self) {
+        let Some(key) = self.members_key() else {
+            return;
+        };
+        let Ok(read) = read_or_default(self.host(), &key, Membership::decode) else {
+            self.events.push(Event::SharedDataErrors(1));
+            return;
+        };
+        if read.value.version != self.pool.version {
+            self.set_members(read.value.members, read.value.version);
+        }
+    }
+
+    fn members_key(&self) -> Option<String> {
+        let discovery = self.config.discovery.as_ref()?;
+        Some(members_key(&discovery.pool_cluster))
+    }
+
+    /// Rebuilds every per-endpoint table for `members`: the index's keys and ids, the
+    /// router's endpoint count, this instance's account (which follows each endpoint by id),
+    /// stat names. Endpoints keep their shared records, which are keyed by address.
+    fn set_members(&mut self, members: Vec<Member>, version: u64) {
+        for left in Change::between(&self.pool.members, &members).removed {
+            if let Some(m) = self.pool.members.iter().find(|m| m.address == left) {
+                self.events.push(Event::EndpointLeft(m.name.clone()));
+            }
+        }
+        let addresses: Vec<String> = members.iter().map(|m| m.address.clone()).collect();
+        self.router.store_mut().set_endpoints(&addresses);
+        self.router.set_endpoints(addresses.len());
+        self.ledger.set_endpoints(EndpointIds::new(&addresses));
+        self.keys = addresses.iter().map(|a| endpoint_key(a)).collect();
+        self.stat_names = members.iter().map(|m| stat_token(&m.name)).collect();
+        self.events.push(Event::Pool {
+            members: members.len() as u32,
+            routable: members.iter().filter(|m| m.routable).count() as u32,
+        });
+        self.pool.members = members;
+        self.pool.version = version;
+    }
+
+    /// Claims the discovery call if it is due (a lease in the shared membership record, so one
+    /// instance calls per interval across all workers). Returns whether this instance must
+    /// send it now.
+    pub fn claim_discovery(&mut self, now_ms: u64) -> bool {
+        let (Some(discovery), Some(key)) = (self.config.discovery.as_ref(), self.members_key())
+        else {
+            return false;
+        };
+        let interval = discovery.interval_ms;
+        let expiry = discovery.timeout_ms + interval;
+        if let Some((_, sent)) = self.pool.awaiting {
+            if now_ms.saturating_sub(sent) <= expiry {
+                return false;
+            }
+            self.pool.awaiting = None;
+        }
+        let outcome = cas_update(
+            self.host(),
+            &key,
+            Membership::decode,
+            Membership::encode,
+            |mut record: Membership| {
+                (record.next_discovery_ms <= now_ms).then(|| {
+                    record.next_discovery_ms = now_ms + interval;
+                    record
+                })
+            },
+        );
+        self.settle(outcome).is_some()
+    }
+
+    /// Headers of the discovery callout (Envoy's admin interface answers any authority).
+    pub fn discovery_headers(&self) -> Vec<(&str, &str)> {
+        let path = self
+            .config
+            .discovery
+            .as_ref()
+            .map_or("/clusters?format=json", |d| d.path.as_str());
+        vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", "prefixroute-discovery"),
+            (":scheme", "http"),
+            ("accept", "application/json"),
+        ]
+    }
+
+    pub fn discovery_sent(&mut self, token: u32, now_ms: u64) {
+        self.pool.awaiting = Some((token, now_ms));
+    }
+
+    pub fn discovery_not_sent(&mut self) {
+        self.events
+            .push(Event::Discovery(CalloutEnd::DispatchError));
+    }
+
+    pub fn is_discovery(&self, token: u32) -> bool {
+        self.pool.awaiting.is_some_and(|(t, _)| t == token)
+    }
+
+    /// The discovery callout came back. A usable page becomes the shared membership if it
+    /// differs (one CAS); anything else keeps the last membership and is counted.
+    pub fn discovery_done(&mut self, status: Option<u32>, body: &[u8]) -> DiscoveryOutcome {
+        self.pool.awaiting = None;
+        let Some(pool_cluster) = self
+            .config
+            .discovery
+            .as_ref()
+            .map(|d| d.pool_cluster.clone())
+        else {
+            return DiscoveryOutcome::Unusable("discovery is not configured".into());
+        };
+        if status != Some(200) {
+            self.events.push(Event::Discovery(CalloutEnd::Failed));
+            return DiscoveryOutcome::Failed(status);
+        }
+        let found = match members_of(body, &pool_cluster) {
+            Ok(found) => found,
+            Err(err) => {
+                self.events.push(Event::Discovery(CalloutEnd::Unparseable));
+                return DiscoveryOutcome::Unusable(err.to_string());
+            }
+        };
+        self.events.push(Event::Discovery(CalloutEnd::Ok));
+        let skipped = found.skipped + found.truncated;
+        if skipped > 0 {
+            self.events.push(Event::DiscoverySkipped(
+                skipped.min(u32::MAX as usize) as u32
+            ));
+        }
+        DiscoveryOutcome::Applied(self.publish_members(found.members))
+    }
+
+    /// Makes `members` the shared membership if it differs from the shared one, and applies
+    /// it here. A newcomer's address may have been a member before (a pod that came back
+    /// with the same IP): its old belief is aged out first, since a new endpoint holds
+    /// nothing it was believed to hold.
+    fn publish_members(&mut self, members: Vec<Member>) -> Option<Change> {
+        let key = self.members_key()?;
+        let shared = match read_or_default(self.host(), &key, Membership::decode) {
+            Ok(read) => read.value,
+            Err(_) => {
+                self.events.push(Event::SharedDataErrors(1));
+                return None;
+            }
+        };
+        let change = Change::between(&shared.members, &members);
+        if change.is_empty() {
+            if shared.version != self.pool.version {
+                self.set_members(shared.members, shared.version);
+            }
+            return None;
+        }
+        // Build the new tables first: forgetting a newcomer needs its index.
+        self.set_members(members.clone(), self.pool.version);
+        for address in &change.added {
+            if let Some(e) = self.pool.members.iter().position(|m| &m.address == address) {
+                self.router.store_mut().begin_request();
+                prefixroute_core::PrefixStore::forget_endpoint(self.router.store_mut(), e);
+                let errors = self.router.store_mut().end_request();
+                self.count_shared(errors);
+            }
+        }
+        let mut version = None;
+        let outcome = cas_update(
+            self.host(),
+            &key,
+            Membership::decode,
+            Membership::encode,
+            |mut record: Membership| {
+                record.version = record.version.wrapping_add(1).max(1);
+                record.members = members.clone();
+                version = Some(record.version);
+                Some(record)
+            },
+        );
+        if self.settle(outcome).is_some() {
+            self.pool.version = version.unwrap_or_default();
+            self.events.push(Event::MembershipChanged {
+                added: change.added.len() as u32,
+                removed: change.removed.len() as u32,
+                updated: change.updated.len() as u32,
+            });
+        }
+        Some(change)
+    }
+
     pub fn drain_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
     }
 }
+
+#[cfg(test)]
+mod pool_tests;
 
 #[cfg(test)]
 mod tests {

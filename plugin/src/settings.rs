@@ -120,7 +120,7 @@ mod tests {
         let err = load_config(b"").unwrap_err();
         assert_eq!(
             err.to_string(),
-            "endpoints: at least one endpoint is required"
+            "endpoints: at least one endpoint is required (or configure discovery)"
         );
         // A fractional value for an integer field is still refused.
         let err = load_config(

@@ -46,6 +46,11 @@ pub fn calibration_key(address: &str) -> String {
 
 pub const REGISTRY_KEY: &str = "prefixroute/instances";
 
+/// Key of the discovered [`crate::codec::Membership`] of a pool cluster.
+pub fn members_key(pool_cluster: &str) -> String {
+    format!("prefixroute/members/{pool_cluster}")
+}
+
 /// Key of one instance's [`crate::codec::InstanceRecord`].
 pub fn instance_key(slot: u32) -> String {
     format!("prefixroute/ledger/{slot}")

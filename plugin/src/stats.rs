@@ -9,9 +9,9 @@ use prefixroute_core::Policy;
 
 use crate::fallback::FallbackReason;
 
-/// How a scrape ended, for counting.
+/// How a callout (a scrape or a discovery) ended, for counting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScrapeEnd {
+pub enum CalloutEnd {
     Ok,
     /// Non-200, timeout, reset, connection failure.
     Failed,
@@ -42,7 +42,7 @@ pub enum Event {
     SharedDataErrors(u32),
     Scrape {
         endpoint: usize,
-        end: ScrapeEnd,
+        end: CalloutEnd,
     },
     EndpointDown(usize),
     EndpointUp(usize),
@@ -57,6 +57,24 @@ pub enum Event {
         used: u32,
         refused: u32,
     },
+    /// How a discovery callout (Envoy's admin `/clusters`) ended.
+    Discovery(CalloutEnd),
+    /// Hosts of the pool cluster the discovery left out: no numeric `ip:port`, or beyond
+    /// the member limit.
+    DiscoverySkipped(u32),
+    /// This instance published a new membership (counted once per change, by its publisher).
+    MembershipChanged {
+        added: u32,
+        removed: u32,
+        updated: u32,
+    },
+    /// The membership this instance routes over, set whenever it changes.
+    Pool {
+        members: u32,
+        routable: u32,
+    },
+    /// An endpoint left the pool: its gauges go to zero (and `down` to 1) under its name.
+    EndpointLeft(String),
     /// Current view of an endpoint, set on every tick.
     Gauges {
         endpoint: usize,
@@ -158,12 +176,47 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
         }
         Event::Scrape { end, .. } => {
             let what = match end {
-                ScrapeEnd::Ok => "ok",
-                ScrapeEnd::Failed => "failures",
-                ScrapeEnd::Unparseable => "parse_errors",
-                ScrapeEnd::DispatchError => "dispatch_errors",
+                CalloutEnd::Ok => "ok",
+                CalloutEnd::Failed => "failures",
+                CalloutEnd::Unparseable => "parse_errors",
+                CalloutEnd::DispatchError => "dispatch_errors",
             };
             vec![counter(format!("prefixroute.scrape.{what}"), 1)]
+        }
+        Event::Discovery(end) => {
+            let what = match end {
+                CalloutEnd::Ok => "ok",
+                CalloutEnd::Failed => "failures",
+                CalloutEnd::Unparseable => "parse_errors",
+                CalloutEnd::DispatchError => "dispatch_errors",
+            };
+            vec![counter(format!("prefixroute.discovery.{what}"), 1)]
+        }
+        Event::DiscoverySkipped(n) => vec![counter(
+            "prefixroute.discovery.skipped_hosts".into(),
+            u64::from(*n),
+        )],
+        Event::MembershipChanged {
+            added,
+            removed,
+            updated,
+        } => vec![
+            counter("prefixroute.pool.changes".into(), 1),
+            counter("prefixroute.pool.added".into(), u64::from(*added)),
+            counter("prefixroute.pool.removed".into(), u64::from(*removed)),
+            counter("prefixroute.pool.updated".into(), u64::from(*updated)),
+        ],
+        Event::Pool { members, routable } => vec![
+            gauge("prefixroute.pool.members".into(), u64::from(*members)),
+            gauge("prefixroute.pool.routable".into(), u64::from(*routable)),
+        ],
+        Event::EndpointLeft(endpoint) => {
+            let e = stat_token(endpoint);
+            vec![
+                gauge(format!("prefixroute.endpoint.{e}.in_flight"), 0),
+                gauge(format!("prefixroute.endpoint.{e}.prefill_tokens"), 0),
+                gauge(format!("prefixroute.endpoint.{e}.down"), 1),
+            ]
         }
         Event::EndpointDown(_) => vec![counter("prefixroute.endpoint_down".into(), 1)],
         Event::EndpointUp(_) => vec![counter("prefixroute.endpoint_up".into(), 1)],

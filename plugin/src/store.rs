@@ -208,17 +208,48 @@ pub struct SharedIndex<H: SharedData> {
 }
 
 impl<H: SharedData> SharedIndex<H> {
+    /// An index over `addresses` with its table sized for exactly them.
     pub fn new(host: H, addresses: &[String], capacity_blocks: usize) -> Self {
+        let bits = table_bits(addresses.len(), capacity_blocks);
+        Self::with_table_bits(host, addresses, capacity_blocks, bits)
+    }
+
+    /// An index whose table has `2^bits` buckets whatever the current pool: a discovered pool
+    /// changes size, the table cannot (its keys carry `bits`, and every worker must agree).
+    pub fn with_table_bits(
+        host: H,
+        addresses: &[String],
+        capacity_blocks: usize,
+        bits: u32,
+    ) -> Self {
         let capacity = capacity_blocks.max(1) as u64;
-        SharedIndex {
+        let mut index = SharedIndex {
             host,
-            state_keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
-            capacities: vec![capacity; addresses.len()],
-            ids: EndpointIds::new(addresses),
+            state_keys: Vec::new(),
+            capacities: Vec::new(),
+            ids: EndpointIds::new(&[]),
             capacity,
-            bits: table_bits(addresses.len(), capacity_blocks),
+            bits: bits.clamp(MIN_TABLE_BITS, MAX_TABLE_BITS),
             cache: RefCell::new(Cache::default()),
-        }
+        };
+        index.set_endpoints(addresses);
+        index
+    }
+
+    /// The pool is now `addresses`. Nothing in shared data changes: an endpoint's records are
+    /// keyed by its address (and its holders by the address's id), so one that stays keeps its
+    /// belief under its new index, and one that left becomes a foreign holder that buckets
+    /// shed first.
+    pub fn set_endpoints(&mut self, addresses: &[String]) {
+        self.state_keys = addresses.iter().map(|a| endpoint_key(a)).collect();
+        self.capacities = vec![self.capacity; addresses.len()];
+        self.ids = EndpointIds::new(addresses);
+        *self.cache.get_mut() = Cache::default();
+    }
+
+    /// The id table the index writes holders with.
+    pub fn ids(&self) -> &EndpointIds {
+        &self.ids
     }
 
     pub fn host(&self) -> &H {

@@ -144,6 +144,7 @@ fn run_policy(args: &Args, policy: &str, trace: &[TraceRecord], label: &str) -> 
         .iter()
         .map(|r| format!("{}=http://{}", r.name, r.addr))
         .collect();
+    let endpoints = super::serve::endpoints(&endpoints)?;
     let plugin = args.plugin.config(&endpoints, core_policy)?;
     let setup = EnvoySetup {
         listen: SocketAddr::from(([127, 0, 0, 1], envoy::free_port()?)),
@@ -155,6 +156,7 @@ fn run_policy(args: &Args, policy: &str, trace: &[TraceRecord], label: &str) -> 
             PathBuf::new()
         },
         plugin,
+        pool: envoy::Pool::Static(endpoints),
     };
     let work = std::env::temp_dir().join(format!(
         "prefixroute-compare-{}-{policy}",

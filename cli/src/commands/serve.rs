@@ -2,10 +2,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use prefixroute_core::config::{PluginConfig, Policy, Weights};
+use prefixroute_core::config::{EndpointConfig, PluginConfig, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
 
-use crate::envoy::{self, Balancer, EnvoySetup};
+use crate::envoy::{self, Balancer, EnvoySetup, Pool};
 
 /// Envoy in front of model servers, routing with the prefixroute plugin (or, to compare like
 /// for like, with Envoy's own round-robin or least-request balancer).
@@ -17,9 +17,19 @@ pub struct Args {
     /// Envoy's admin interface (keep it on loopback).
     #[arg(long, default_value = "127.0.0.1:9901")]
     admin: SocketAddr,
-    /// A model server: NAME=http://IP:PORT (repeat for each replica).
-    #[arg(long = "endpoint", required = true)]
+    /// A model server: NAME=http://IP:PORT (repeat for each replica). The pool cluster's
+    /// members; the plugin discovers them from Envoy (see --static-pool).
+    #[arg(
+        long = "endpoint",
+        required_unless_present = "eds_file",
+        conflicts_with = "eds_file"
+    )]
     endpoints: Vec<String>,
+    /// Take the pool from this EDS file instead (a ClusterLoadAssignment for
+    /// `prefixroute_pool`, YAML or JSON). Envoy watches it: write a new file next to it and
+    /// rename it over to change the pool while serving.
+    #[arg(long, value_name = "PATH")]
+    eds_file: Option<PathBuf>,
     /// latency, prefix, prefix-only, least-queue, random (the plugin), or round-robin,
     /// least-request (Envoy's own balancers, no plugin).
     #[arg(long, default_value = "latency")]
@@ -82,6 +92,17 @@ pub struct PluginArgs {
     model: Option<String>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Next-best replicas listed after the chosen one in the destination header; the route
+    /// retries connect failures and resets on them, in order.
+    #[arg(long, default_value_t = 2)]
+    failover: usize,
+    /// How often the plugin reads the pool's members from Envoy's admin interface.
+    #[arg(long, default_value_t = 1000)]
+    discovery_interval_ms: u64,
+    /// Give the plugin the --endpoint list itself instead of discovering the pool cluster
+    /// (the pool then cannot change without a new configuration).
+    #[arg(long)]
+    static_pool: bool,
 }
 
 impl PluginArgs {
@@ -89,13 +110,25 @@ impl PluginArgs {
         self.block_size
     }
 
-    /// The plugin configuration for these endpoints, validated as the plugin will.
-    pub fn config(&self, endpoints: &[String], policy: Policy) -> Result<PluginConfig> {
+    /// The plugin configuration for a pool of these endpoints, validated as the plugin will:
+    /// discovery of the pool cluster, or (`--static-pool`) the list itself.
+    pub fn config(&self, endpoints: &[EndpointConfig], policy: Policy) -> Result<PluginConfig> {
+        let (endpoints, discovery) = if self.static_pool {
+            anyhow::ensure!(
+                !endpoints.is_empty(),
+                "--static-pool needs the --endpoint list (an EDS file's pool can only be discovered)"
+            );
+            (endpoints.to_vec(), None)
+        } else {
+            (
+                Vec::new(),
+                Some(envoy::discovery(self.discovery_interval_ms)),
+            )
+        };
         let mut config = PluginConfig {
-            endpoints: endpoints
-                .iter()
-                .map(|e| envoy::parse_endpoint(e))
-                .collect::<Result<_>>()?,
+            endpoints,
+            discovery,
+            failover: self.failover,
             policy,
             weights: self.weights,
             block_size: self.block_size,
@@ -131,9 +164,28 @@ pub fn balancer_for(policy: &str) -> Result<(Balancer, Policy)> {
     })
 }
 
+/// Parses `--endpoint NAME=http://IP:PORT` specs.
+pub fn endpoints(specs: &[String]) -> Result<Vec<EndpointConfig>> {
+    specs.iter().map(|e| envoy::parse_endpoint(e)).collect()
+}
+
 pub fn run(args: Args) -> Result<()> {
     let (balancer, policy) = balancer_for(&args.policy)?;
-    let plugin = args.plugin.config(&args.endpoints, policy)?;
+    let endpoints = endpoints(&args.endpoints)?;
+    let plugin = args.plugin.config(&endpoints, policy)?;
+    let pool = match &args.eds_file {
+        Some(path) => {
+            let path = std::path::absolute(path)
+                .with_context(|| format!("--eds-file {}", path.display()))?;
+            anyhow::ensure!(
+                path.is_file(),
+                "--eds-file {}: no such file",
+                path.display()
+            );
+            Pool::EdsFile(path)
+        }
+        None => Pool::Static(endpoints),
+    };
     let wasm_path = if balancer == Balancer::Plugin {
         envoy::find_plugin(args.plugin_wasm.as_deref())?
     } else {
@@ -144,6 +196,7 @@ pub fn run(args: Args) -> Result<()> {
         admin: args.admin,
         balancer,
         plugin,
+        pool,
         wasm_path,
     };
     if args.print_config {
@@ -155,12 +208,15 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let config_path = dir.join("envoy.yaml");
     std::fs::write(&config_path, envoy::bootstrap_yaml(&setup)?)?;
+    let pool = match &setup.pool {
+        Pool::Static(endpoints) => format!("{} endpoints", endpoints.len()),
+        Pool::EdsFile(path) => format!("the pool in {}", path.display()),
+    };
     eprintln!(
-        "prefixroute serve: {} ({}) on http://{} with {} endpoints; admin http://{}; config {}",
+        "prefixroute serve: {} ({}) on http://{} with {pool}; admin http://{}; config {}",
         args.policy,
         envoy_bin.display(),
         args.listen,
-        setup.plugin.endpoints.len(),
         args.admin,
         config_path.display()
     );

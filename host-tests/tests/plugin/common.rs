@@ -48,8 +48,14 @@ pub fn endpoint_of(addr: &str) -> usize {
         .unwrap_or_else(|| panic!("{addr:?} is not a configured address"))
 }
 
-/// The single destination the request went upstream with.
+/// The chosen endpoint: the first address of the single destination header the request went
+/// upstream with (the rest are its failover endpoints, see [`destinations`]).
 pub fn destination(x: &Exchange) -> String {
+    destinations(x)[0].clone()
+}
+
+/// Every address of the single destination header, chosen first.
+pub fn destinations(x: &Exchange) -> Vec<String> {
     let values = x.upstream_values(DEST);
     assert_eq!(
         values.len(),
@@ -57,7 +63,7 @@ pub fn destination(x: &Exchange) -> String {
         "exactly one destination header: {:?}",
         x.upstream
     );
-    values[0].clone()
+    values[0].split(',').map(str::to_string).collect()
 }
 
 pub fn page(waiting: f64, running: f64, kv: f64) -> String {

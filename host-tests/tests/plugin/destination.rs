@@ -66,9 +66,33 @@ fn a_configured_header_name_is_the_one_overwritten() {
         .unwrap();
     let values = x.upstream_values("x-dest");
     assert_eq!(values.len(), 1);
-    assert!(
-        values[0] == address(0) || values[0] == address(1),
-        "{values:?}"
-    );
+    let chosen = values[0].split(',').next().unwrap();
+    assert!(chosen == address(0) || chosen == address(1), "{values:?}");
     assert!(x.upstream_values(DEST).is_empty());
+}
+
+#[test]
+fn the_destination_lists_the_chosen_endpoint_then_distinct_failover_endpoints() {
+    let host = common::host();
+    for (failover, expected) in [(2, 3), (0, 1), (8, 4)] {
+        let mut vm = common::configured(&host, &config(4, json!({"failover": failover})));
+        for q in 0..6 {
+            let x = vm
+                .send(&Request::chat(chat_body(
+                    "shared system prompt",
+                    &format!("q{q}"),
+                )))
+                .unwrap();
+            let list = common::destinations(&x);
+            assert_eq!(list.len(), expected, "failover {failover}: {list:?}");
+            let mut distinct = list.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), list.len(), "{list:?}");
+            for a in &list {
+                common::endpoint_of(a);
+            }
+            vm.finish(x.id).unwrap();
+        }
+    }
 }

@@ -9,6 +9,7 @@ mod config;
 mod corpus;
 mod destination;
 mod differential;
+mod discovery;
 mod lifecycle;
 mod scrape;
 mod workers;
