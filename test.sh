@@ -43,7 +43,7 @@ step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace
 
 step "real Envoy: plugin in front of fake vLLM replicas"
-ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy -- --ignored --test-threads 1
+ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy --test membership -- --ignored --test-threads 1
 
 step "browser: web demo in headless Chromium"
 PREFIXROUTE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/prefixroute" web-demo/test.sh

@@ -15,9 +15,9 @@
 #   4. loads the images (the simulator, and a tiny HTTP server holding prefixroute.wasm);
 #   5. applies kind/base (namespace, 3 llm-d-inference-sim replicas, the InferencePool, the wasm
 #      server) and waits for the Pods;
-#   6. resolves the pool with `prefixroute pool --config` over
-#      `kubectl get inferencepools,pods -o json` and renders that plugin configuration, and the
-#      module's sha256, into the variant's manifests, then applies them;
+#   6. checks the pool with `prefixroute pool` over `kubectl get inferencepools,pods -o json`
+#      (the plugin itself discovers the pool's members from the gateway), renders the module's
+#      sha256 into the variant's manifests, then applies them;
 #   7. sends smoke requests through the gateway and checks prefixroute answered them.
 #
 # Environment: KIND_CLUSTER (default prefixroute), ISTIO_VERSION, ENVOY_GATEWAY_VERSION,
@@ -153,21 +153,16 @@ for d in vllm-sim prefixroute-wasm; do
 done
 
 # ---------------------------------------------------------------------------------------------
-step "6/7 resolve the pool and apply the $variant manifests"
+step "6/7 check the pool and apply the $variant manifests"
 k -n "$ns" get inferencepools.inference.networking.k8s.io,pods -o json >"$tmp/pool.json" ||
     die "could not read the pool and its Pods"
 "$cli" pool "$tmp/pool.json" --pool vllm-sim ||
     die "prefixroute pool rejected the InferencePool (errors above)"
-plugin_config=$("$cli" pool "$tmp/pool.json" --pool vllm-sim --config --compact \
-    --base "$here/plugin-config.json") ||
-    die "prefixroute pool could not build the plugin configuration"
 
-# Replaces the configuration line (the one holding {"endpoints":) and the zero sha256.
+# Replaces the zero sha256 with the module's (the plugin discovers the pool: nothing else to fill).
 render() {
-    PLUGIN_CONFIG="$plugin_config" WASM_SHA256="$wasm_sha" awk '
+    WASM_SHA256="$wasm_sha" awk '
         {
-            i = index($0, "{\"endpoints\":")
-            if (i > 0) { $0 = substr($0, 1, i - 1) ENVIRON["PLUGIN_CONFIG"] }
             gsub(/0000000000000000000000000000000000000000000000000000000000000000/, ENVIRON["WASM_SHA256"])
             print
         }' "$1"
@@ -180,9 +175,6 @@ else
 fi
 for m in "${manifests[@]}"; do
     render "$here/$variant/$m.yaml" >"$tmp/$m.yaml"
-    if grep -q '192\.0\.2\.1' "$tmp/$m.yaml"; then
-        die "rendering left the placeholder endpoint in $variant/$m.yaml"
-    fi
     k apply -f "$tmp/$m.yaml" || die "could not apply $variant/$m.yaml"
 done
 k -n "$ns" wait --for=condition=Programmed --timeout=300s gateway/prefixroute ||

@@ -379,4 +379,29 @@ fn the_reference_config_and_every_serve_config_pass_envoy_validation() {
         std::fs::write(&path, &out.stdout).unwrap();
         envoy_validates(&path);
     }
+    // The other pool shapes: an EDS file Envoy watches, and a plugin given the list itself.
+    let eds = temp("validate-pool/eds.yaml");
+    std::fs::create_dir_all(eds.parent().unwrap()).unwrap();
+    std::fs::write(&eds, "resources: []\n").unwrap();
+    for (name, pool) in [
+        ("eds", vec!["--eds-file", eds.to_str().unwrap()]),
+        (
+            "static",
+            vec!["--static-pool", "--endpoint", "a=http://127.0.0.1:18001"],
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .args(["serve", "--plugin-wasm", &wasm, "--print-config"])
+            .args(&pool)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = temp(&format!("serve-pool-{name}.yaml"));
+        std::fs::write(&path, &out.stdout).unwrap();
+        envoy_validates(&path);
+    }
 }

@@ -205,19 +205,12 @@ pub fn find(dir: &str, kind: &str, name: &str) -> Value {
     found.into_iter().next().unwrap_or(Value::Null)
 }
 
-/// The marker that starts the plugin configuration line kind/up.sh rewrites.
-pub const CONFIG_MARKER: &str = "{\"endpoints\":";
-
-/// What kind/up.sh's `render` does (its awk program): the text of every line from the marker
-/// on becomes `config`; 64 zeros become `sha256`.
-pub fn render(text: &str, config: &str, sha256: &str) -> String {
+/// What kind/up.sh's `render` does (its awk program): 64 zeros become `sha256`. Nothing else
+/// is rendered: the plugin discovers the pool.
+pub fn render(text: &str, sha256: &str) -> String {
     let zeros = "0".repeat(64);
     let mut out = String::new();
     for line in text.lines() {
-        let line = match line.find(CONFIG_MARKER) {
-            Some(i) => format!("{}{config}", &line[..i]),
-            None => line.to_string(),
-        };
         out.push_str(&line.replace(&zeros, sha256));
         out.push('\n');
     }

@@ -273,34 +273,113 @@ fn embedded_configs() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The pool cluster each variant's gateway builds for the route: Istio's outbound cluster of
+/// the pool's shadow Service, Envoy Gateway's cluster of the HTTPRoute's first rule.
+fn pool_clusters() -> Vec<(&'static str, String)> {
+    let pool = the_pool();
+    let name = pool["metadata"]["name"].as_str().unwrap();
+    let route = find("envoy-gateway", "HTTPRoute", "llm");
+    vec![
+        (
+            "istio/envoyfilter.yaml",
+            format!(
+                "outbound|54321||{}.{NS}.svc.cluster.local",
+                shadow_service(name)
+            ),
+        ),
+        (
+            "envoy-gateway/extension-policy.yaml",
+            format!(
+                "httproute/{}/{}/rule/0",
+                route["metadata"]["namespace"].as_str().unwrap(),
+                route["metadata"]["name"].as_str().unwrap()
+            ),
+        ),
+    ]
+}
+
 #[test]
-fn embedded_plugin_configs_are_accepted_by_plugin_config_validation() {
+fn embedded_plugin_configs_discover_the_pool_cluster_and_list_no_endpoints() {
     let base = plugin_base();
+    let clusters = pool_clusters();
     for (file, json) in embedded_configs() {
         let config = PluginConfig::from_json(json.as_bytes()).unwrap_or_else(|e| {
             panic!("{file}: the embedded plugin configuration is rejected: {e}")
         });
+        assert!(
+            config.endpoints.is_empty(),
+            "{file}: no rendered endpoint list"
+        );
+        let discovery = config.discovery.clone().expect("discovery");
+        let expected = &clusters.iter().find(|(f, _)| *f == file).unwrap().1;
+        assert_eq!(&discovery.pool_cluster, expected, "{file}");
+        assert_eq!(discovery.cluster, "prefixroute_admin", "{file}");
         assert_eq!(
             PluginConfig {
-                endpoints: Vec::new(),
-                ..config.clone()
+                discovery: None,
+                ..config
             },
             base,
-            "{file}: differs from kind/plugin-config.json beyond the endpoints"
+            "{file}: differs from kind/plugin-config.json beyond the discovery"
         );
-        assert!(
-            config
-                .endpoints
-                .iter()
-                .all(|e| e.address.starts_with("192.0.2.")),
-            "{file}: the committed endpoints must be documentation placeholders"
-        );
+    }
+}
+
+/// The admin cluster each variant adds: a STATIC cluster on loopback at the data plane's
+/// admin port.
+#[test]
+fn each_variant_reaches_its_own_admin_interface_on_loopback_and_retries_on_the_failover_list() {
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let patches = filter["spec"]["configPatches"].as_array().unwrap();
+    let istio_admin = patches
+        .iter()
+        .find(|p| p["patch"]["value"]["name"] == "prefixroute_admin")
+        .map(|p| p["patch"]["value"].clone())
+        .expect("Istio: the admin cluster");
+    let eg_admin = find("envoy-gateway", "EnvoyPatchPolicy", "prefixroute")["spec"]["jsonPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "prefixroute_admin")
+        .map(|p| p["operation"]["value"].clone())
+        .expect("Envoy Gateway: the admin cluster");
+    // istio-proxy's admin and Envoy Gateway's EnvoyAdminPort.
+    for (cluster, port) in [(istio_admin, 15000), (eg_admin, 19000)] {
+        assert_eq!(cluster["type"], "STATIC");
+        let socket = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            ["address"]["socket_address"];
+        assert_eq!(socket["address"], "127.0.0.1");
+        assert_eq!(socket["port_value"], port);
+    }
+    let failover = plugin_base().failover;
+    assert!(failover > 0);
+    let route = patches
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_ROUTE")
+        .expect("Istio: a route retry patch");
+    assert_eq!(route["match"]["context"], "GATEWAY");
+    let retry = &route["patch"]["value"]["route"]["retry_policy"];
+    assert_eq!(retry["num_retries"], failover);
+    for trigger in ["connect-failure", "reset"] {
+        assert!(retry["retry_on"].as_str().unwrap().contains(trigger));
+    }
+    let btp = find(
+        "envoy-gateway",
+        "BackendTrafficPolicy",
+        "prefixroute-endpoint-override",
+    );
+    assert_eq!(btp["spec"]["retry"]["numRetries"], failover);
+    let triggers = btp["spec"]["retry"]["retryOn"]["triggers"]
+        .as_array()
+        .unwrap();
+    for trigger in ["connect-failure", "reset"] {
+        assert!(triggers.iter().any(|t| t == trigger), "{trigger}");
     }
 }
 
 #[test]
 fn up_sh_rendering_keeps_the_manifests_valid() {
-    // The pool's Pods as `kubectl get inferencepools,pods -o json` would list them.
+    // `prefixroute pool` (which up.sh runs) still resolves the pool's Ready Pods.
     let deployment = find("base", "Deployment", "vllm-sim");
     let mut items = vec![the_pool()];
     for i in 0..deployment["spec"]["replicas"].as_u64().unwrap() {
@@ -322,11 +401,7 @@ fn up_sh_rendering_keeps_the_manifests_valid() {
         .iter()
         .filter_map(|o| pool::Pod::from_value(o, "x"))
         .collect();
-    let resolution = pool::resolve(&p, &pods);
-    assert_eq!(resolution.endpoints.len(), 3);
-    let config = resolution.plugin_config(plugin_base()).unwrap();
-    let line = serde_json::to_string(&config).unwrap();
-    assert!(line.starts_with(CONFIG_MARKER));
+    assert_eq!(pool::resolve(&p, &pods).endpoints.len(), 3);
     let sha = "ab".repeat(32);
 
     let crds = Crds::load(&crds_dir());
@@ -336,17 +411,11 @@ fn up_sh_rendering_keeps_the_manifests_valid() {
     ] {
         let text = std::fs::read_to_string(repo_root().join("kind").join(file)).unwrap();
         assert_eq!(
-            text.lines().filter(|l| l.contains(CONFIG_MARKER)).count(),
-            1,
-            "{file}: exactly one line must hold the plugin configuration"
-        );
-        assert_eq!(
             text.matches(&"0".repeat(64)).count(),
             1,
             "{file}: one sha256 placeholder"
         );
-        let rendered = render(&text, &line, &sha);
-        assert!(!rendered.contains("192.0.2.1"));
+        let rendered = render(&text, &sha);
         for o in parse_yaml(&rendered).unwrap() {
             let checked = check_custom_resource(&crds, &o).unwrap();
             assert!(
@@ -358,8 +427,6 @@ fn up_sh_rendering_keeps_the_manifests_valid() {
             assert!(found.contains(&sha), "{file}: sha256 not rendered");
         }
     }
-    let original: Vec<String> = embedded_configs().into_iter().map(|(_, j)| j).collect();
-    assert!(original.iter().all(|j| j != &line));
 }
 
 fn shadow_service(pool_name: &str) -> String {
@@ -743,7 +810,11 @@ fn scripts_pass_bash_n_and_shellcheck() {
             "up.sh must check for {tool} first"
         );
     }
-    // up.sh's awk render and render() here agree on the marker and the placeholder.
-    assert!(up.contains(r#"index($0, "{\"endpoints\":")"#));
+    // up.sh's awk render and render() here agree on the placeholder, and nothing else is
+    // rendered.
     assert!(up.contains(&"0".repeat(64)));
+    assert!(
+        !up.contains("pool-config") && !up.contains("PLUGIN_CONFIG"),
+        "up.sh renders no endpoint list"
+    );
 }
