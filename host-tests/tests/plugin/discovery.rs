@@ -145,10 +145,16 @@ fn a_missing_admin_cluster_is_counted_every_interval_and_routing_goes_on() {
     let host = common::host();
     let mut vm = common::configured(&host, &discovering());
     for _ in 0..3 {
-        assert!(!tick(&mut vm, &CalloutReply::Reset), "no callout can be sent");
+        assert!(
+            !tick(&mut vm, &CalloutReply::Reset),
+            "no callout can be sent"
+        );
         host.clock().advance_ms(1000);
     }
-    assert_eq!(host.stats().value("prefixroute.discovery.dispatch_errors"), 3);
+    assert_eq!(
+        host.stats().value("prefixroute.discovery.dispatch_errors"),
+        3
+    );
     let rt = vm
         .round_trip(&host_tests::Request::chat(chat_body("s", "q")))
         .unwrap();
