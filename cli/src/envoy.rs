@@ -46,6 +46,8 @@ pub struct EnvoySetup {
 }
 
 pub const POOL_CLUSTER: &str = "prefixroute_pool";
+/// Retries in flight the pool cluster allows (Envoy Gateway's default; Istio allows more).
+const MAX_PARALLEL_RETRIES: u32 = 1024;
 /// The loopback-only cluster the plugin's discovery callouts reach Envoy's admin through.
 pub const ADMIN_CLUSTER: &str = "prefixroute_admin";
 
@@ -139,6 +141,9 @@ fn pool_cluster(setup: &EnvoySetup) -> Result<Value> {
             .clone(),
     };
     cluster["load_balancing_policy"] = json!({"policies": [{"typed_extension_config": policy}]});
+    // Envoy allows 3 retries in flight per cluster by default: when a replica dies, every
+    // request on its way there retries at once, and the 4th would be refused with a 503.
+    cluster["circuit_breakers"] = json!({"thresholds": [{"max_retries": MAX_PARALLEL_RETRIES}]});
     Ok(cluster)
 }
 
@@ -528,6 +533,8 @@ mod tests {
         let route = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
         assert_eq!(route["retry_policy"]["num_retries"], 2);
+        let breakers = &cluster(&b, POOL_CLUSTER)["circuit_breakers"]["thresholds"][0];
+        assert_eq!(breakers["max_retries"], 1024, "not Envoy's default of 3");
         assert!(route["retry_policy"]["retry_on"]
             .as_str()
             .unwrap()

@@ -178,10 +178,20 @@ fn finish_replay(replay: Child) -> Value {
 }
 
 fn assert_no_errors(report: &Value, served: &Served) {
+    // What Envoy saw of the failures and retries, to say why a request was lost.
+    let retries: Vec<String> = http(served.admin, "GET", "/stats?filter=prefixroute_pool", None)
+        .body
+        .lines()
+        .filter(|l| {
+            l.contains("retry") || l.contains("fail") || l.contains("5xx") || l.contains("reset")
+        })
+        .filter(|l| !l.ends_with(": 0"))
+        .map(str::to_string)
+        .collect();
     assert_eq!(
         report["errors"],
         0,
-        "lost requests: {} {}; Envoy log {}",
+        "lost requests: {} {}; Envoy log {}; Envoy: {retries:?}",
         report["errors_by_kind"],
         report["error_examples"],
         served.log.display()
