@@ -315,3 +315,159 @@ fn bad_flags_and_files_exit_2_with_one_clear_line() {
     let out = prefixroute(&["frobnicate"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn bad_prefill_decode_flags_exit_2_with_one_clear_error() {
+    let trace = temp("split.jsonl");
+    let out = prefixroute(&["trace", "--requests", "8", "-o", trace.to_str().unwrap()]);
+    assert!(out.status.success());
+    let t = trace.to_str().unwrap();
+    for (flags, message) in [
+        (
+            vec!["--prefill-replicas", "0", "--decode-replicas", "0"],
+            "error: --prefill-replicas + --decode-replicas is 0",
+        ),
+        (
+            vec![
+                "--prefill-replicas",
+                "2",
+                "--decode-replicas",
+                "0",
+                "--link-gbps",
+                "100",
+            ],
+            "error: --decode-replicas must be at least 1",
+        ),
+        (
+            vec!["--prefill-replicas", "1", "--link-gbps", "-10"],
+            "error: invalid prefill/decode split: invalid link_gbps: -10",
+        ),
+        (
+            vec!["--threshold", "512"],
+            "error: --threshold needs --prefill-replicas",
+        ),
+        (
+            vec!["--prefill-replicas", "1"],
+            "error: --link-gbps is required with --prefill-replicas 1",
+        ),
+        (
+            vec![
+                "--prefill-replicas",
+                "1",
+                "--link-gbps",
+                "10",
+                "--model",
+                "gpt-9",
+            ],
+            "error: unknown model \"gpt-9\"",
+        ),
+        (
+            vec!["--replicas", "3", "--decode-replicas", "2"],
+            "cannot be used with",
+        ),
+    ] {
+        let mut args = vec!["simulate", t];
+        args.extend(&flags);
+        let out = prefixroute(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        let err = stderr(&out);
+        assert!(err.contains(message), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"));
+        if !message.contains("cannot be used") {
+            assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+        }
+    }
+}
+
+#[test]
+fn simulate_splits_prefill_from_decode_and_compares_with_aggregated_serving() {
+    let trace = temp("split-long.jsonl");
+    let out = prefixroute(&[
+        "trace",
+        "--shape",
+        "unique",
+        "--prompt-words",
+        "3600",
+        "--rate",
+        "4",
+        "--requests",
+        "40",
+        "--max-tokens",
+        "64",
+        "--seed",
+        "9",
+        "-o",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let out = prefixroute(&[
+        "simulate",
+        trace.to_str().unwrap(),
+        "--policy",
+        "latency",
+        "--prefill-replicas",
+        "2",
+        "--decode-replicas",
+        "4",
+        "--threshold",
+        "512",
+        "--link-gbps",
+        "400",
+        "--prefill-ms-per-token",
+        "0.1",
+        "--decode-ms-per-token",
+        "20",
+        "--cache-blocks",
+        "4096",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["pd"]["prefill_replicas"], 2);
+    assert_eq!(json["pd"]["kv_bytes_per_token"], 131_072);
+    let row = &json["policies"][0];
+    assert_eq!(row["policy"], "latency");
+    let split = &row["disaggregated"];
+    let aggregated = &row["aggregated"];
+    assert_eq!(split["pd"]["remote_prefill_share"], 1.0);
+    assert_eq!(
+        aggregated["requests_per_replica"].as_array().unwrap().len(),
+        6
+    );
+    for key in [
+        "ttft_p50_ms",
+        "ttft_p95_ms",
+        "decode_stall_p95_ms",
+        "itl_worst_p95_ms",
+    ] {
+        assert!(
+            split[key].is_number() && aggregated[key].is_number(),
+            "{key}"
+        );
+    }
+    assert!(split["itl_worst_p95_ms"].as_f64() < aggregated["itl_worst_p95_ms"].as_f64());
+    // The table names both serving modes for each policy.
+    let out = prefixroute(&[
+        "simulate",
+        trace.to_str().unwrap(),
+        "--policy",
+        "latency,round-robin",
+        "--prefill-replicas",
+        "2",
+        "--decode-replicas",
+        "4",
+        "--link-gbps",
+        "10",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        text.contains("P/D 2+4") && text.contains("aggregated 6"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("round-robin"))
+            .count(),
+        2
+    );
+}

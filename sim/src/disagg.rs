@@ -356,6 +356,21 @@ pub struct DisaggReport {
     pub links: Vec<LinkRow>,
 }
 
+/// Time to move `bytes` of KV cache over a link of `link_gbps`, with a fixed `latency_ms`:
+/// latency + bytes × 8 / link, in ms.
+pub fn transfer_ms(bytes: u64, link_gbps: f64, latency_ms: f64) -> f64 {
+    latency_ms + bytes as f64 * 8.0 / (link_gbps * 1e9) * 1e3
+}
+
+/// llm-d's rule: prefill remotely when the uncached tokens reach the threshold.
+pub fn prefill_site(uncached_tokens: u64, threshold_tokens: u64) -> PrefillSite {
+    if uncached_tokens >= threshold_tokens {
+        PrefillSite::Remote
+    } else {
+        PrefillSite::Local
+    }
+}
+
 fn invalid(field: &'static str, value: f64, reason: &'static str) -> DisaggError {
     DisaggError::InvalidNumber {
         field,
@@ -455,22 +470,17 @@ pub fn calculate(model: &ModelShape, input: &DisaggInput) -> Result<DisaggReport
     let kv_production_gbps = bpt as f64 * 8.0 * tps / 1e9;
 
     let threshold = input.threshold_tokens;
-    let (decision, reason) = if uncached >= threshold {
-        (
-            PrefillSite::Remote,
-            format!(
-                "uncached {uncached} tokens >= threshold {threshold}: prefill on a prefill \
+    let decision = prefill_site(uncached, threshold);
+    let reason = if decision == PrefillSite::Remote {
+        format!(
+            "uncached {uncached} tokens >= threshold {threshold}: prefill on a prefill \
                  replica and ship the KV cache, so decode on this replica does not stall"
-            ),
         )
     } else {
-        (
-            PrefillSite::Local,
-            format!(
-                "uncached {uncached} tokens < threshold {threshold}: prefill locally on the \
+        format!(
+            "uncached {uncached} tokens < threshold {threshold}: prefill locally on the \
                  decode replica; the decode stall is short and no KV transfer or extra hop \
                  is needed"
-            ),
         )
     };
 
@@ -483,12 +493,11 @@ pub fn calculate(model: &ModelShape, input: &DisaggInput) -> Result<DisaggReport
         }
     });
 
-    let bits = kv_bytes_moved as f64 * 8.0;
     let links = input
         .link_gbps
         .iter()
         .map(|&g| {
-            let transfer_ms = lat + bits / (g * 1e9) * 1e3;
+            let transfer_ms = transfer_ms(kv_bytes_moved, g, lat);
             LinkRow {
                 link_gbps: g,
                 transfer_ms,
@@ -521,7 +530,7 @@ pub fn calculate(model: &ModelShape, input: &DisaggInput) -> Result<DisaggReport
 }
 
 /// Decimal byte size with one decimal: 524288000 → "524.3 MB".
-fn fmt_bytes(b: u64) -> String {
+pub fn fmt_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["kB", "MB", "GB", "TB", "PB"];
     if b < 1000 {
         return format!("{b} B");

@@ -200,6 +200,43 @@ impl ReplicaSim {
         prompts: &[(&[u64], usize)],
         output_tokens: usize,
     ) -> Served {
+        self.place(now_ms, prompts, output_tokens, None)
+    }
+
+    /// Admits a request whose uncached tokens were prefilled elsewhere: their KV cache lands
+    /// here at `kv_ready_ms` (and the cache holds those blocks from then on, as after a local
+    /// prefill). Decoding starts on the first lane free from then; the request's TTFT counts
+    /// from `now_ms`, its arrival at the router.
+    pub fn admit_prefilled(
+        &mut self,
+        now_ms: f64,
+        kv_ready_ms: f64,
+        prompts: &[(&[u64], usize)],
+        output_tokens: usize,
+    ) -> Served {
+        self.place(
+            now_ms,
+            prompts,
+            output_tokens,
+            Some(kv_ready_ms.max(now_ms)),
+        )
+    }
+
+    /// How many of `prompts`' tokens this replica's cache holds now (nothing changes).
+    pub fn cached_tokens(&self, prompts: &[(&[u64], usize)]) -> usize {
+        prompts
+            .iter()
+            .map(|&(chain, tokens)| self.cache.lookup(chain, tokens) * self.cache.block_size())
+            .sum()
+    }
+
+    fn place(
+        &mut self,
+        now_ms: f64,
+        prompts: &[(&[u64], usize)],
+        output_tokens: usize,
+        kv_ready_ms: Option<f64>,
+    ) -> Served {
         self.retire(now_ms);
         let queue_at_arrival = self.waiting(now_ms);
         let mut prompt_tokens = 0;
@@ -212,9 +249,13 @@ impl ReplicaSim {
         let lane = (0..self.lane_free_at.len())
             .min_by(|&a, &b| self.lane_free_at[a].total_cmp(&self.lane_free_at[b]))
             .unwrap_or(0);
-        let start_ms = self.lane_free_at[lane].max(now_ms);
-        let prefill_ms =
-            self.timing.prefill_overhead_ms + uncached as f64 * self.timing.prefill_ms_per_token;
+        let start_ms = self.lane_free_at[lane].max(kv_ready_ms.unwrap_or(now_ms));
+        let prefill_ms = match kv_ready_ms {
+            Some(_) => 0.0,
+            None => {
+                self.timing.prefill_overhead_ms + uncached as f64 * self.timing.prefill_ms_per_token
+            }
+        };
         let finish_ms =
             start_ms + prefill_ms + output_tokens as f64 * self.timing.decode_ms_per_token;
         self.lane_free_at[lane] = finish_ms;

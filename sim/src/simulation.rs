@@ -17,6 +17,7 @@ use std::collections::BinaryHeap;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::pd::{decode_stalls, PdConfig, PdStats, PrefillPool, RemotePrefill, Span};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
@@ -37,6 +38,8 @@ pub enum SimError {
     Config(#[from] prefixroute_core::config::ConfigError),
     #[error("replicas must be at least 1")]
     NoReplicas,
+    #[error("{0}")]
+    Disagg(#[from] crate::disagg::DisaggError),
 }
 
 /// The simulated fleet and the router in front of it.
@@ -52,6 +55,8 @@ pub struct SimConfig {
     pub capacity_reported: bool,
     pub timing: ReplicaTiming,
     pub router: RouterConfig,
+    /// Prefill/decode split: `replicas` are then the decode replicas (see [`crate::pd`]).
+    pub pd: Option<PdConfig>,
 }
 
 impl Default for SimConfig {
@@ -62,6 +67,7 @@ impl Default for SimConfig {
             capacity_reported: true,
             timing: ReplicaTiming::default(),
             router: RouterConfig::default(),
+            pd: None,
         }
     }
 }
@@ -83,6 +89,9 @@ pub struct Step {
     pub group: String,
     pub decision: Decision,
     pub served: Served,
+    /// Prefilled on a prefill replica (a P/D split), not where it decodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemotePrefill>,
 }
 
 impl Step {
@@ -112,6 +121,16 @@ pub struct SimReport {
     pub requests_per_replica: Vec<usize>,
     /// Per group, requests per replica (for "did the hot tenant spill?").
     pub group_replicas: Vec<(String, Vec<usize>)>,
+    /// p95 over requests of the time their tokens waited for other requests' prefills on the
+    /// same replica (see [`crate::pd::decode_stalls`]); requests of one output token have none.
+    #[serde(default)]
+    pub decode_stall_p95_ms: f64,
+    /// p95 over requests of their longest gap between two tokens.
+    #[serde(default)]
+    pub itl_worst_p95_ms: f64,
+    /// The prefill/decode split's numbers, for a split fleet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdStats>,
 }
 
 /// Names replicas `replica-0`, `replica-1`, … as the CLI and the demo show them.
@@ -147,7 +166,9 @@ enum Signal {
     FirstByte {
         endpoint: usize,
         uncached_tokens: u64,
-        observation: Observation,
+        /// `None` for a request prefilled elsewhere: its first byte says nothing of this
+        /// replica's prefill rate.
+        observation: Option<Observation>,
     },
     /// The response ended: the request no longer holds a lane; it held it `hold_ms` after its
     /// first byte.
@@ -203,6 +224,9 @@ pub struct Simulation {
     next_check_ms: f64,
     due: BinaryHeap<Due>,
     seq: u64,
+    pd: Option<PdConfig>,
+    /// The prefill replicas of a split fleet that has any.
+    prefill_pool: Option<PrefillPool>,
 }
 
 impl Simulation {
@@ -210,6 +234,9 @@ impl Simulation {
         config.router.validate()?;
         if config.replicas == 0 {
             return Err(SimError::NoReplicas);
+        }
+        if let Some(pd) = &config.pd {
+            pd.validate()?;
         }
         let requests = prepare(trace, &config.router)?;
         let mut router = Router::new(config.router, config.replicas);
@@ -237,6 +264,11 @@ impl Simulation {
             next_check_ms: SCRAPE_INTERVAL_MS,
             due: BinaryHeap::new(),
             seq: 0,
+            pd: config.pd,
+            prefill_pool: config
+                .pd
+                .filter(|pd| pd.prefill_replicas > 0)
+                .map(|pd| PrefillPool::new(pd.prefill_replicas, config.timing)),
             replicas: (0..config.replicas)
                 .map(|_| {
                     ReplicaSim::new(
@@ -330,7 +362,7 @@ impl Simulation {
                     let latency = &self.router.config().latency;
                     if self
                         .ledger
-                        .first_byte(endpoint, uncached_tokens, Some(observation), latency)
+                        .first_byte(endpoint, uncached_tokens, observation, latency)
                         .is_err()
                     {
                         self.refused_observations += 1;
@@ -395,7 +427,26 @@ impl Simulation {
         let predicted = self
             .router
             .prediction_for(&decision, &request.hashes, &loads[endpoint]);
-        let served = self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens);
+        let remote = match (&self.pd, self.prefill_pool.as_mut()) {
+            // llm-d's decider: on what the router predicts uncached there.
+            (Some(pd), Some(pool)) if predicted.uncached_tokens as u64 >= pd.threshold_tokens => {
+                let lacking = request.hashes.total_tokens()
+                    - self.replicas[endpoint]
+                        .cached_tokens(&prompts)
+                        .min(request.hashes.total_tokens());
+                Some(pool.prefill(now_ms, lacking, pd))
+            }
+            _ => None,
+        };
+        let served = match remote {
+            Some(r) => self.replicas[endpoint].admit_prefilled(
+                now_ms,
+                r.kv_ready_ms,
+                &prompts,
+                request.output_tokens,
+            ),
+            None => self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens),
+        };
         self.router.commit(&decision, &request.hashes);
         let (t, group) = (request.t, request.group.clone());
         let uncached = predicted.uncached_tokens as u64;
@@ -405,7 +456,9 @@ impl Simulation {
             Signal::FirstByte {
                 endpoint,
                 uncached_tokens: uncached,
-                observation: Observation::of(&predicted, served.ttft_ms),
+                observation: remote
+                    .is_none()
+                    .then(|| Observation::of(&predicted, served.ttft_ms)),
             },
         );
         let first_byte_ms = now_ms + served.ttft_ms;
@@ -423,6 +476,7 @@ impl Simulation {
             group,
             decision,
             served,
+            remote,
         });
         self.steps.last()
     }
@@ -461,7 +515,13 @@ impl Simulation {
                 .iter()
                 .map(|s| (s.group.as_str(), s.decision.endpoint)),
         );
+        let (stalls, pd) = self.decode_report();
+        let stall_total: Vec<f64> = stalls.iter().map(|s| s.total_ms).collect();
+        let stall_gap: Vec<f64> = stalls.iter().map(|s| s.worst_gap_ms).collect();
         SimReport {
+            decode_stall_p95_ms: percentile(&stall_total, 95.0),
+            itl_worst_p95_ms: percentile(&stall_gap, 95.0),
+            pd,
             policy: self.router.config().policy.to_string(),
             requests: self.steps.len(),
             hit_rate: if queries == 0 {
@@ -477,6 +537,72 @@ impl Simulation {
             requests_per_replica: per_replica,
             group_replicas: groups,
         }
+    }
+}
+
+impl Simulation {
+    /// Every decoding request's stall from the local prefills on its replica, and a split
+    /// fleet's own numbers.
+    fn decode_report(&self) -> (Vec<crate::pd::Stall>, Option<PdStats>) {
+        let mut decodes = Vec::new();
+        let mut prefills = Vec::new();
+        for step in &self.steps {
+            let arrival = step.t * 1000.0;
+            let first_token = arrival + step.served.ttft_ms;
+            let replica = step.decision.endpoint;
+            if self.requests[step.index].output_tokens > 1 {
+                decodes.push(Span {
+                    replica,
+                    start_ms: first_token,
+                    end_ms: step.served.finish_ms,
+                    tokens: 0,
+                });
+            }
+            if step.remote.is_none() {
+                prefills.push(Span {
+                    replica,
+                    start_ms: arrival + step.served.wait_ms,
+                    end_ms: first_token,
+                    tokens: step.served.prompt_tokens - step.served.cached_tokens,
+                });
+            }
+        }
+        let timing = self
+            .replicas
+            .first()
+            .map(ReplicaSim::timing)
+            .unwrap_or_default();
+        let chunk = self.pd.and_then(|pd| pd.chunk_tokens);
+        let stalls = decode_stalls(&decodes, &prefills, &timing, chunk);
+        let pd = self.pd.map(|pd| {
+            let remote: Vec<&RemotePrefill> = self
+                .steps
+                .iter()
+                .filter_map(|s| s.remote.as_ref())
+                .collect();
+            let start = self.steps.first().map_or(0.0, |s| s.t * 1000.0);
+            let end = self
+                .steps
+                .iter()
+                .map(|s| s.served.finish_ms)
+                .fold(start, f64::max);
+            let link_ms = self
+                .prefill_pool
+                .as_ref()
+                .map_or(0.0, PrefillPool::link_busy_ms);
+            let links = pd.prefill_replicas as f64 * (end - start);
+            PdStats {
+                prefill_replicas: pd.prefill_replicas,
+                remote_prefill_share: if self.steps.is_empty() {
+                    0.0
+                } else {
+                    remote.len() as f64 / self.steps.len() as f64
+                },
+                kv_bytes_moved: remote.iter().map(|r| r.kv_bytes).sum(),
+                link_busy_share: if links > 0.0 { link_ms / links } else { 0.0 },
+            }
+        });
+        (stalls, pd)
     }
 }
 
@@ -503,6 +629,7 @@ pub fn upper_bound(trace: &[TraceRecord], config: SimConfig) -> Result<SimReport
         .map(|r| r.hashes.total_blocks())
         .sum();
     let mut one = config;
+    one.pd = None;
     one.replicas = 1;
     one.cache_blocks = blocks.max(1);
     one.router.index_capacity_blocks = one.router.index_capacity_blocks.max(one.cache_blocks);

@@ -1,8 +1,10 @@
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use prefixroute_core::config::{Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
+use prefixroute_sim::disagg::{self, fmt_bytes};
+use prefixroute_sim::pd::PdConfig;
 use prefixroute_sim::replica::ReplicaTiming;
 use prefixroute_sim::simulation::{replica_names, upper_bound, SimConfig, SimReport, Simulation};
 use prefixroute_sim::summary::max_over_mean;
@@ -15,7 +17,7 @@ pub struct Args {
     /// round-robin, random), or `all`.
     #[arg(long, default_value = "all")]
     policy: String,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, conflicts_with = "decode_replicas")]
     replicas: usize,
     /// Prefix-cache capacity of each replica, in blocks.
     #[arg(long, default_value_t = 64)]
@@ -55,6 +57,85 @@ pub struct Args {
     /// Print JSON reports instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    split: SplitArgs,
+}
+
+/// Prefill/decode disaggregation: each policy runs on the split fleet and, for comparison, on
+/// the same replicas all serving aggregated.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Prefill/decode disaggregation")]
+pub struct SplitArgs {
+    /// Replicas that only prefill; requests whose uncached tokens reach --threshold are
+    /// prefilled there and their KV cache moved to the decode replica.
+    #[arg(long, value_name = "N")]
+    prefill_replicas: Option<usize>,
+    /// Replicas the router sends every request to (they decode; they prefill what stays
+    /// under the threshold). Default: --replicas.
+    #[arg(long, value_name = "M")]
+    decode_replicas: Option<usize>,
+    /// Prefill remotely when the router predicts at least this many uncached tokens (llm-d's
+    /// rule) [default: 512].
+    #[arg(long, value_name = "T")]
+    threshold: Option<u64>,
+    /// Each prefill replica's link to the decode replicas, Gb/s (required with N > 0).
+    #[arg(long, value_name = "G", allow_negative_numbers = true)]
+    link_gbps: Option<f64>,
+    /// Fixed latency of each KV transfer, ms [default: 0.5].
+    #[arg(long, value_name = "L", allow_negative_numbers = true)]
+    link_latency_ms: Option<f64>,
+    /// The model whose KV cache moves (bytes per token; see `prefixroute disagg`)
+    /// [default: llama-3.1-8b].
+    #[arg(long)]
+    model: Option<String>,
+    /// Chunked prefill of C tokens per decode step on the replicas that prefill locally.
+    #[arg(long, value_name = "C")]
+    chunk_tokens: Option<u32>,
+}
+
+/// The split the flags ask for, with the model it prices, or `None` without
+/// --prefill-replicas. Every inconsistency is one error.
+fn split_config(split: &SplitArgs, replicas: usize) -> Result<Option<(PdConfig, usize, String)>> {
+    let Some(prefill) = split.prefill_replicas else {
+        let stray = [
+            (split.decode_replicas.is_some(), "--decode-replicas"),
+            (split.threshold.is_some(), "--threshold"),
+            (split.link_gbps.is_some(), "--link-gbps"),
+            (split.link_latency_ms.is_some(), "--link-latency-ms"),
+            (split.model.is_some(), "--model"),
+            (split.chunk_tokens.is_some(), "--chunk-tokens"),
+        ];
+        if let Some((_, flag)) = stray.iter().find(|(given, _)| *given) {
+            bail!("{flag} needs --prefill-replicas (it configures a prefill/decode split)");
+        }
+        return Ok(None);
+    };
+    let decode = split.decode_replicas.unwrap_or(replicas);
+    if prefill + decode == 0 {
+        bail!("--prefill-replicas + --decode-replicas is 0: the fleet needs replicas");
+    }
+    if decode == 0 {
+        bail!("--decode-replicas must be at least 1: the router sends every request to a decode replica");
+    }
+    let link_gbps = match split.link_gbps {
+        Some(g) => g,
+        None if prefill == 0 => 1.0,
+        None => bail!("--link-gbps is required with --prefill-replicas {prefill}"),
+    };
+    let model = split.model.clone().unwrap_or_else(|| "llama-3.1-8b".into());
+    let shape = disagg::model_shape(&model)?;
+    let config = PdConfig {
+        prefill_replicas: prefill,
+        threshold_tokens: split.threshold.unwrap_or(disagg::DEFAULT_THRESHOLD_TOKENS),
+        link_gbps,
+        link_latency_ms: split
+            .link_latency_ms
+            .unwrap_or(disagg::DEFAULT_LINK_LATENCY_MS),
+        kv_bytes_per_token: shape.kv_bytes_per_token(),
+        chunk_tokens: split.chunk_tokens,
+    };
+    config.validate().context("invalid prefill/decode split")?;
+    Ok(Some((config, decode, shape.name)))
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -67,9 +148,13 @@ pub fn run(args: Args) -> Result<()> {
             .map(|p| p.trim().parse())
             .collect::<Result<_, _>>()?
     };
-    let names = replica_names(args.replicas);
+    let split = split_config(&args.split, args.replicas)?;
+    let replicas = split
+        .as_ref()
+        .map_or(args.replicas, |(_, decode, _)| *decode);
+    let names = replica_names(replicas);
     let mut base = SimConfig {
-        replicas: args.replicas,
+        replicas,
         cache_blocks: args.cache_blocks,
         capacity_reported: !args.capacity_unreported,
         timing: ReplicaTiming {
@@ -85,6 +170,9 @@ pub fn run(args: Args) -> Result<()> {
     base.router.index_capacity_blocks = args.index_capacity_blocks;
     base.router.seed = args.seed;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
+    if let Some((pd, _, model)) = &split {
+        return run_split(&args, &trace, &policies, base, *pd, model);
+    }
     let mut reports = Vec::new();
     let mut out = String::new();
     for policy in policies {
@@ -116,6 +204,152 @@ pub fn run(args: Args) -> Result<()> {
         out += &render_table(&reports, Some(&bound));
     }
     super::write_stdout(&out)
+}
+
+/// Each policy on the split fleet and on the same replicas aggregated.
+fn run_split(
+    args: &Args,
+    trace: &[prefixroute_sim::trace::TraceRecord],
+    policies: &[Policy],
+    base: SimConfig,
+    pd: PdConfig,
+    model: &str,
+) -> Result<()> {
+    let mut split = base;
+    split.pd = Some(pd);
+    // Aggregated: every replica decodes and prefills (the split's chunking applies to it too).
+    let mut aggregated = base;
+    aggregated.replicas = base.replicas + pd.prefill_replicas;
+    aggregated.pd = Some(PdConfig {
+        prefill_replicas: 0,
+        ..pd
+    });
+    let names = replica_names(split.replicas);
+    let mut out = String::new();
+    let mut rows = Vec::new();
+    for &policy in policies {
+        let mut runs = Vec::new();
+        for mut config in [split, aggregated] {
+            config.router.policy = policy;
+            let mut sim = Simulation::new(trace, config)?;
+            sim.run();
+            if args.show_decisions > 0 && !args.json && config.replicas == split.replicas {
+                for step in sim.steps().iter().take(args.show_decisions) {
+                    let site = match &step.remote {
+                        Some(r) => format!(
+                            "prefilled on prefill-{}, {} of KV in {:.1} ms",
+                            r.prefill_replica,
+                            fmt_bytes(r.kv_bytes),
+                            r.transfer_ms
+                        ),
+                        None => "prefilled locally".to_string(),
+                    };
+                    out += &format!(
+                        "{}  [{} of {} tokens cached, {site}, ttft {:.0} ms]\n",
+                        step.explain(&names),
+                        step.served.cached_tokens,
+                        step.served.prompt_tokens,
+                        step.served.ttft_ms
+                    );
+                }
+                out.push('\n');
+            }
+            runs.push(sim.report());
+        }
+        rows.push((policy, runs.remove(0), runs.remove(0)));
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "pd": {
+                "prefill_replicas": pd.prefill_replicas,
+                "decode_replicas": split.replicas,
+                "threshold_tokens": pd.threshold_tokens,
+                "link_gbps": pd.link_gbps,
+                "link_latency_ms": pd.link_latency_ms,
+                "model": model,
+                "kv_bytes_per_token": pd.kv_bytes_per_token,
+                "chunk_tokens": pd.chunk_tokens,
+            },
+            "policies": rows.iter().map(|(policy, split, aggregated)| serde_json::json!({
+                "policy": policy.to_string(),
+                "disaggregated": split,
+                "aggregated": aggregated,
+            })).collect::<Vec<_>>(),
+        });
+        out += &serde_json::to_string_pretty(&json)?;
+        out.push('\n');
+    } else {
+        out += &format!(
+            "{} prefill + {} decode replicas, threshold {} tokens, {} Gb/s links, {model} \
+             ({} of KV per token){}; aggregated: the same {} replicas each prefilling and decoding\n\n",
+            pd.prefill_replicas,
+            split.replicas,
+            pd.threshold_tokens,
+            pd.link_gbps,
+            fmt_bytes(pd.kv_bytes_per_token),
+            pd.chunk_tokens
+                .map_or(String::new(), |c| format!(", chunked prefill {c} tokens")),
+            aggregated.replicas,
+        );
+        out += &render_split_table(&rows, pd.prefill_replicas, split.replicas);
+    }
+    super::write_stdout(&out)
+}
+
+/// The split table: one row per policy and serving mode.
+pub fn render_split_table(
+    rows: &[(Policy, SimReport, SimReport)],
+    prefill: usize,
+    decode: usize,
+) -> String {
+    let mut out = format!(
+        "{:<12} {:<12} {:>8} {:>10} {:>10} {:>11} {:>13} {:>7} {:>10} {:>9}\n",
+        "policy",
+        "serving",
+        "hit rate",
+        "TTFT p50",
+        "TTFT p95",
+        "stall p95",
+        "worst ITL p95",
+        "remote",
+        "KV moved",
+        "link busy"
+    );
+    let split_label = format!("P/D {prefill}+{decode}");
+    let aggregated_label = format!("aggregated {}", prefill + decode);
+    for (policy, split, aggregated) in rows {
+        for (label, r) in [(&split_label, split), (&aggregated_label, aggregated)] {
+            let pd = r.pd.unwrap_or(prefixroute_sim::pd::PdStats {
+                prefill_replicas: 0,
+                remote_prefill_share: 0.0,
+                kv_bytes_moved: 0,
+                link_busy_share: 0.0,
+            });
+            let (remote, moved, busy) = if pd.prefill_replicas == 0 {
+                ("-".to_string(), "-".to_string(), "-".to_string())
+            } else {
+                (
+                    format!("{:.0}%", pd.remote_prefill_share * 100.0),
+                    fmt_bytes(pd.kv_bytes_moved),
+                    format!("{:.0}%", pd.link_busy_share * 100.0),
+                )
+            };
+            out.push_str(&format!(
+                "{:<12} {:<12} {:>7.1}% {:>7.1} ms {:>7.1} ms {:>8.1} ms {:>10.1} ms {:>7} {:>10} {:>9}\n",
+                policy.to_string(),
+                label,
+                r.hit_rate * 100.0,
+                r.ttft_p50_ms,
+                r.ttft_p95_ms,
+                r.decode_stall_p95_ms,
+                r.itl_worst_p95_ms,
+                remote,
+                moved,
+                busy
+            ));
+        }
+    }
+    out
 }
 
 /// The simulate table; with `bound`, a last row for the upper bound and each policy's hit
