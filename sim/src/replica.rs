@@ -12,6 +12,15 @@ use std::num::NonZeroUsize;
 use lru::LruCache;
 use serde::{Deserialize, Serialize};
 
+/// What one [`BlockCache::serve_logged`] changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheChange {
+    /// Blocks `first..first + len` of the chain are newly held.
+    Stored { first: usize, len: usize },
+    /// This block was evicted.
+    Evicted(u64),
+}
+
 /// vLLM's prefix cache over chained block hashes.
 #[derive(Debug)]
 pub struct BlockCache {
@@ -81,13 +90,56 @@ impl BlockCache {
     /// frees a finished sequence's blocks in reverse, so under pressure a prompt's tail is
     /// evicted before its shared head.
     pub fn serve(&mut self, full_chain: &[u64], prompt_tokens: usize) -> usize {
+        self.serve_logged(full_chain, prompt_tokens, None)
+    }
+
+    /// [`BlockCache::serve`], also saying what changed (for a server that publishes KV
+    /// events): runs of blocks it now holds that it did not (in chain order), then the blocks
+    /// evicted to make room.
+    pub fn serve_logged(
+        &mut self,
+        full_chain: &[u64],
+        prompt_tokens: usize,
+        log: Option<&mut Vec<CacheChange>>,
+    ) -> usize {
         let cached_tokens = self.lookup(full_chain, prompt_tokens) * self.block_size;
         self.query_tokens += prompt_tokens as u64;
         self.hit_tokens += cached_tokens as u64;
         let full = (prompt_tokens / self.block_size).min(full_chain.len());
+        let Some(log) = log else {
+            for &hash in full_chain[..full].iter().rev() {
+                self.blocks.put(hash, ());
+            }
+            return cached_tokens;
+        };
+        let new: Vec<bool> = full_chain[..full]
+            .iter()
+            .map(|h| !self.blocks.contains(h))
+            .collect();
+        let mut evicted = Vec::new();
         for &hash in full_chain[..full].iter().rev() {
-            self.blocks.put(hash, ());
+            if let Some((old, ())) = self.blocks.push(hash, ()) {
+                if old != hash {
+                    evicted.push(old);
+                }
+            }
         }
+        let mut i = 0;
+        while i < full {
+            if !new[i] {
+                i += 1;
+                continue;
+            }
+            let first = i;
+            while i < full && new[i] {
+                i += 1;
+            }
+            log.push(CacheChange::Stored {
+                first,
+                len: i - first,
+            });
+        }
+        log.extend(evicted.into_iter().map(CacheChange::Evicted));
         cached_tokens
     }
 
@@ -308,6 +360,31 @@ mod tests {
         cache.serve(&[1, 2, 3], 10);
         assert_eq!(cache.used_blocks(), 2);
         assert!(!cache.contains(3));
+    }
+
+    #[test]
+    fn a_logged_serve_reports_new_runs_in_chain_order_then_evictions() {
+        let mut cache = BlockCache::new(4, 1);
+        let mut log = Vec::new();
+        cache.serve_logged(&[1, 2, 3], 4, Some(&mut log));
+        assert_eq!(log, [CacheChange::Stored { first: 0, len: 3 }]);
+        log.clear();
+        // 1 and 2 are held; 5 and 6 are new; 3 (least recently used) makes room.
+        cache.serve_logged(&[1, 2, 5, 6], 5, Some(&mut log));
+        assert_eq!(
+            log,
+            [
+                CacheChange::Stored { first: 2, len: 2 },
+                CacheChange::Evicted(3)
+            ]
+        );
+        let mut plain = BlockCache::new(4, 1);
+        plain.serve(&[1, 2, 3], 4);
+        plain.serve(&[1, 2, 5, 6], 5);
+        assert!(
+            plain.contains(6) && !plain.contains(3),
+            "logging changes nothing"
+        );
     }
 
     #[test]

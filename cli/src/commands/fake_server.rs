@@ -7,6 +7,7 @@
 //! request waits for a lane, then sleeps for its prefill and decode.
 
 mod exposition;
+mod kv_events;
 mod openai;
 mod replica;
 mod routes;
@@ -60,6 +61,11 @@ pub struct Args {
     /// Cost of each output token after the first, in ms (spaces out stream chunks).
     #[arg(long, default_value_t = 0.0, value_parser = millis)]
     decode_ms_per_token: f64,
+    /// Publish KV-cache events as vLLM does (`--kv-events-config` with the zmq publisher): a
+    /// ZMQ PUB socket bound here (port 0 picks one; the second start line names it), topic
+    /// `kv@<ip:port>@<model>`.
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    kv_events: Option<String>,
 }
 
 fn positive(s: &str) -> Result<usize, String> {
@@ -102,7 +108,6 @@ async fn serve(args: Args) -> Result<()> {
         prefill_ms_per_token: args.prefill_ms_per_token,
         decode_ms_per_token: args.decode_ms_per_token,
     };
-    let server = Arc::new(Server::new(args.name.clone(), config)?);
     // Signal handlers go in before the start line, so a supervisor that stops the server as
     // soon as it reports ready still gets a clean exit.
     let mut stop = std::pin::pin!(shutdown_signal()?);
@@ -110,7 +115,25 @@ async fn serve(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
+    let publisher = match &args.kv_events {
+        Some(endpoint) => Some(kv_events::bind(endpoint).await?),
+        None => None,
+    };
+    let events = publisher.map(|(socket, bound)| {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let topic = prefixroute_kvevents::schema::topic(&addr.to_string(), &config.model);
+        tokio::spawn(kv_events::publish(socket, topic, rx));
+        (tx, bound)
+    });
+    let (events, bound) = match events {
+        Some((tx, bound)) => (Some(tx), Some(bound)),
+        None => (None, None),
+    };
+    let server = Arc::new(Server::new(args.name.clone(), config, events)?);
     eprintln!("fake-server {} listening on http://{addr}", args.name);
+    if let Some(bound) = bound {
+        eprintln!("fake-server {} publishing KV events on {bound}", args.name);
+    }
 
     let graceful = GracefulShutdown::new();
     loop {

@@ -4,6 +4,7 @@ mod compare;
 mod disagg;
 mod fake_server;
 mod hash;
+mod kv_events;
 mod pool;
 mod replay;
 mod serve;
@@ -40,6 +41,8 @@ enum Command {
     Serve(serve::Args),
     /// Validate InferencePools by the CRD's rules and resolve their endpoints.
     Pool(pool::Args),
+    /// Relay the servers' KV-cache events (vLLM's ZMQ publishers) to the plugin.
+    KvEvents(kv_events::Args),
 }
 
 pub fn run(cli: Cli) -> Result<()> {
@@ -53,6 +56,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Pool(args) => pool::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Compare(args) => compare::run(args),
+        Command::KvEvents(args) => kv_events::run(args),
     }
 }
 

@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use prefixroute_core::hashing::{hash_request, HashConfig};
-use prefixroute_core::request::ParsedRequest;
-use prefixroute_sim::replica::BlockCache;
+use prefixroute_core::request::{ParsedRequest, Prompt};
+use prefixroute_core::tokenizer::tokenize;
+use prefixroute_kvevents::schema::{EngineHash, Event};
+use prefixroute_sim::replica::{BlockCache, CacheChange};
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 
 /// What the command line configures.
@@ -32,6 +34,8 @@ pub struct ReplicaConfig {
 pub struct Job {
     chains: Vec<Vec<u64>>,
     tokens: Vec<usize>,
+    /// Each prompt's token ids (for `BlockStored` events).
+    token_ids: Vec<Vec<u32>>,
     pub output_tokens: usize,
 }
 
@@ -44,9 +48,18 @@ impl Job {
             include_partial: false,
         };
         let hashes = hash_request(request, config);
+        let token_ids = request
+            .prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(text) => tokenize(text),
+                Prompt::Tokens(ids) => ids.clone(),
+            })
+            .collect();
         Job {
             chains: hashes.chains,
             tokens: hashes.tokens,
+            token_ids,
             output_tokens,
         }
     }
@@ -80,10 +93,50 @@ pub struct Snapshot {
     pub generation_tokens: u64,
 }
 
+/// The engine's own name for a block, deliberately not the router's (as vLLM's is not): the
+/// relay must map it back through the events' token ids.
+pub fn engine_hash(router_hash: u64) -> EngineHash {
+    EngineHash(xxhash_rust::xxh64::xxh64(
+        &router_hash.to_le_bytes(),
+        0x766c_6c6d,
+    ))
+}
+
+/// What the cache changed, as vLLM's KV events.
+fn events_of(
+    changes: &[CacheChange],
+    chain: &[u64],
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<Event> {
+    changes
+        .iter()
+        .map(|c| match *c {
+            CacheChange::Stored { first, len } => Event::BlockStored {
+                block_hashes: chain[first..first + len]
+                    .iter()
+                    .map(|&h| engine_hash(h))
+                    .collect(),
+                parent_block_hash: first.checked_sub(1).map(|p| engine_hash(chain[p])),
+                token_ids: tokens[first * block_size..(first + len) * block_size].to_vec(),
+                block_size: block_size as u32,
+                lora_id: None,
+                medium: Some("GPU".into()),
+            },
+            CacheChange::Evicted(h) => Event::BlockRemoved {
+                block_hashes: vec![engine_hash(h)],
+                medium: Some("GPU".into()),
+            },
+        })
+        .collect()
+}
+
 #[derive(Debug)]
 pub struct Replica {
     pub config: ReplicaConfig,
     cache: Mutex<BlockCache>,
+    /// Where KV events go (the publisher task), when the server publishes them.
+    events: Option<tokio::sync::mpsc::UnboundedSender<Vec<Event>>>,
     lanes: Arc<Semaphore>,
     waiting: AtomicUsize,
     running: AtomicUsize,
@@ -96,8 +149,18 @@ pub struct Replica {
 }
 
 impl Replica {
+    #[cfg(test)]
     pub fn new(config: ReplicaConfig) -> Replica {
+        Replica::with_events(config, None)
+    }
+
+    /// A replica that sends every cache change to `events` (see `kv_events.rs`).
+    pub fn with_events(
+        config: ReplicaConfig,
+        events: Option<tokio::sync::mpsc::UnboundedSender<Vec<Event>>>,
+    ) -> Replica {
         Replica {
+            events,
             cache: Mutex::new(BlockCache::new(config.kv_blocks, config.block_size)),
             lanes: Arc::new(Semaphore::new(config.lanes.max(1))),
             config,
@@ -128,11 +191,19 @@ impl Replica {
         let mut blocks = 0;
         {
             let mut cache = self.cache();
-            for (chain, &tokens) in job.chains.iter().zip(&job.tokens) {
-                let cached = cache.serve(chain, tokens);
+            let mut changes = Vec::new();
+            for (i, (chain, &tokens)) in job.chains.iter().zip(&job.tokens).enumerate() {
+                let log = self.events.as_ref().map(|_| &mut changes);
+                let cached = cache.serve_logged(chain, tokens, log);
                 cached_tokens += cached;
                 blocks += tokens.saturating_sub(cached).div_ceil(block_size)
                     + job.output_tokens.div_ceil(block_size);
+                if let (Some(events), false) = (&self.events, changes.is_empty()) {
+                    // Sent under the cache lock, so events leave in the order of the changes.
+                    let ids = job.token_ids.get(i).map_or(&[][..], Vec::as_slice);
+                    let _ = events.send(events_of(&changes, chain, ids, block_size));
+                    changes.clear();
+                }
             }
         }
         self.running.fetch_add(1, Ordering::Relaxed);

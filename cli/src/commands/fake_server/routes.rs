@@ -42,11 +42,18 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn new(name: String, config: ReplicaConfig) -> anyhow::Result<Server> {
+    /// A server; with `events`, its cache changes go there (the KV-event publisher).
+    pub fn new(
+        name: String,
+        config: ReplicaConfig,
+        events: Option<
+            tokio::sync::mpsc::UnboundedSender<Vec<prefixroute_kvevents::schema::Event>>,
+        >,
+    ) -> anyhow::Result<Server> {
         let served_by = HeaderValue::from_str(&name)
             .map_err(|_| anyhow::anyhow!("--name {name:?} cannot be sent as an HTTP header"))?;
         Ok(Server {
-            replica: Arc::new(Replica::new(config)),
+            replica: Arc::new(Replica::with_events(config, events)),
             name,
             served_by,
             next_id: AtomicU64::new(0),

@@ -1,0 +1,56 @@
+//! The fake server's KV-event publisher, as vLLM's `ZmqEventPublisher`: a ZMQ PUB socket,
+//! multipart `[topic, sequence (8 bytes, big-endian), msgpack KVEventBatch]`, the sequence
+//! counting from 0 by one per message. Everything the cache changed since the last message
+//! goes into the next batch, so a burst costs one message.
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use prefixroute_kvevents::schema::{Event, EventBatch, Message};
+use tokio::sync::mpsc::UnboundedReceiver;
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+/// Binds `endpoint` (e.g. `tcp://127.0.0.1:5557`); returns the socket and the endpoint it
+/// really bound (port 0 picks one).
+pub async fn bind(endpoint: &str) -> Result<(PubSocket, String)> {
+    let mut socket = PubSocket::new();
+    let bound = socket
+        .bind(endpoint)
+        .await
+        .with_context(|| format!("--kv-events {endpoint}: cannot bind"))?;
+    Ok((socket, bound.to_string()))
+}
+
+/// Publishes until the replica (the channel's sender) goes away.
+pub async fn publish(
+    mut socket: PubSocket,
+    topic: String,
+    mut events: UnboundedReceiver<Vec<Event>>,
+) {
+    let mut seq: u64 = 0;
+    while let Some(first) = events.recv().await {
+        let mut batch = first;
+        while let Ok(more) = events.try_recv() {
+            batch.extend(more);
+        }
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let message = Message {
+            topic: topic.clone(),
+            seq,
+            batch: EventBatch {
+                ts,
+                events: batch,
+                data_parallel_rank: Some(0),
+            },
+        };
+        let frames: Vec<Bytes> = message.encode().into_iter().map(Bytes::from).collect();
+        let Ok(zmq) = ZmqMessage::try_from(frames) else {
+            continue;
+        };
+        // PUB never blocks on slow subscribers (it drops for them, as libzmq's high-water
+        // mark does); a send error means no subscriber could take it, which is not ours to fix.
+        let _ = socket.send(zmq).await;
+        seq += 1;
+    }
+}

@@ -1,0 +1,270 @@
+//! KV events end to end over real ZMQ: `fake-server --kv-events` publishes what its cache does,
+//! a subscriber written with vLLM's own msgspec schema decodes it, and `prefixroute kv-events`
+//! turns it into the router's block hashes for the plugin.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use prefixroute_core::feed::FeedPage;
+use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::request::parse_request;
+use support::{http, FakeServer, BIN};
+
+/// A fake server publishing KV events on a free port; returns it and its ZMQ endpoint.
+fn publishing(name: &str, extra: &[&str]) -> (FakeServer, String) {
+    let mut args = vec![
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--prefill-ms-per-token",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    let server = FakeServer::start(name, &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let endpoint = server.log.lock().unwrap().iter().find_map(|l| {
+            l.strip_prefix(&format!("fake-server {name} publishing KV events on "))
+                .map(str::to_string)
+        });
+        if let Some(endpoint) = endpoint {
+            return (server, endpoint);
+        }
+        assert!(Instant::now() < deadline, "no publishing line");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A prompt of more than one block, new every time (so the cache stores something).
+fn warm() -> String {
+    format!("{:?} ", Instant::now()).repeat(8)
+}
+
+fn completion(prompt: &str) -> String {
+    serde_json::json!({"model": "cc-sim", "prompt": prompt, "max_tokens": 1}).to_string()
+}
+
+/// The router's full-block hashes of a completion body.
+fn router_blocks(body: &str, block_size: usize) -> Vec<u64> {
+    let request = parse_request(body.as_bytes()).unwrap();
+    hash_request(
+        &request,
+        HashConfig {
+            block_size,
+            include_partial: false,
+        },
+    )
+    .chains
+    .concat()
+}
+
+fn python() -> String {
+    std::env::var("PREFIXROUTE_PYTHON")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python").into())
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+#[ignore = "needs pyzmq and msgspec in .venv: run ./test.sh"]
+fn the_fake_servers_events_decode_with_vllms_schema() {
+    let (server, endpoint) = publishing("kv-a", &["--kv-blocks", "4", "--block-size", "4"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv/subscriber.py");
+    let mut sub = Command::new(python())
+        .args([script, &endpoint, "2", "10"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the Python subscriber");
+    // PUB drops what is sent before a subscriber joins: wait until it says it subscribed.
+    let mut err = sub.stderr.take().unwrap();
+    let mut first = [0u8; 10];
+    err.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"subscribed");
+    std::thread::sleep(Duration::from_millis(300));
+    let a = completion("one two three four five six seven eight nine ten");
+    let b = completion("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu");
+    assert_eq!(server.post("/v1/completions", &a).status, 200);
+    assert_eq!(server.post("/v1/completions", &b).status, 200);
+    let out = sub.wait_with_output().unwrap();
+    assert!(out.status.success(), "subscriber failed");
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["seq"], 0);
+    assert_eq!(lines[1]["seq"], 1);
+    assert_eq!(
+        lines[0]["topic"],
+        format!("kv@127.0.0.1:{}@cc-sim", server.port)
+    );
+    let stored = &lines[0]["events"][0];
+    assert_eq!(stored["type"], "BlockStored");
+    assert_eq!(stored["block_size"], 4);
+    assert_eq!(stored["medium"], "GPU");
+    assert!(stored["parent_block_hash"].is_null());
+    // 10 tokens: two full blocks, their 8 token ids.
+    assert_eq!(stored["block_hashes"].as_array().unwrap().len(), 2);
+    assert_eq!(stored["token_ids"].as_array().unwrap().len(), 8);
+    // 13 more tokens (3 blocks) into a 4-block cache: one of the first prompt's is evicted.
+    let kinds: Vec<&str> = lines[1]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["BlockStored", "BlockRemoved"]);
+    let removed = &lines[1]["events"][1]["block_hashes"][0];
+    assert!(stored["block_hashes"].as_array().unwrap().contains(removed));
+}
+
+fn relay(publishers: &[(u16, &str)], block_size: usize) -> (Killed, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--block-size", &block_size.to_string()]);
+    for (http_port, endpoint) in publishers {
+        cmd.args(["--publisher", &format!("127.0.0.1:{http_port}={endpoint}")]);
+    }
+    let child = Killed(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "relay did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, port)
+}
+
+/// The feed page since `since`, read raw (it is binary).
+fn feed(port: u16, since: u64) -> FeedPage {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "GET /v1/kv/feed?since={since} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let at = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    FeedPage::decode(&raw[at..]).unwrap()
+}
+
+/// Waits until the relay has seen `n` messages from every server.
+fn wait_for_messages(port: u16, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = http(port, "GET", "/stats", None).json();
+        let all = stats["servers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["messages"].as_u64() >= Some(n));
+        if all {
+            return;
+        }
+        assert!(Instant::now() < deadline, "relay stats: {stats}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_relay_serves_each_servers_blocks_in_the_routers_own_hashes() {
+    let (a, a_events) = publishing("kv-r1", &["--kv-blocks", "64"]);
+    let (b, b_events) = publishing("kv-r2", &["--kv-blocks", "64"]);
+    let (_relay, port) = relay(&[(a.port, &a_events), (b.port, &b_events)], 16);
+    // The SUB sockets connect in the background: send until the relay has seen events.
+    let prompt = "The quick brown fox jumps over the lazy dog again and again. ".repeat(8);
+    let body = completion(&prompt);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http(port, "GET", "/stats", None).json()["servers"][0]["messages"] == 0 {
+        assert!(Instant::now() < deadline);
+        a.post("/v1/completions", &completion(&warm()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let before = feed(port, 0).version;
+    assert_eq!(a.post("/v1/completions", &body).status, 200);
+    let other = completion(&"Unrelated words for the second server only. ".repeat(5));
+    b.post("/v1/completions", &other);
+    wait_for_messages(port, 1);
+    std::thread::sleep(Duration::from_millis(200));
+    let page = feed(port, before);
+    assert!(!page.reset);
+    let expected = router_blocks(&body, 16);
+    assert!(!expected.is_empty());
+    let server_a = page
+        .servers
+        .iter()
+        .find(|s| s.address == format!("127.0.0.1:{}", a.port))
+        .unwrap();
+    assert!(server_a.live);
+    for h in &expected {
+        assert!(
+            server_a.stored.contains(h),
+            "{h:x} not in {:x?}",
+            server_a.stored
+        );
+    }
+    let server_b = page
+        .servers
+        .iter()
+        .find(|s| s.address.ends_with(&b.port.to_string()));
+    let b_blocks = router_blocks(&other, 16);
+    let server_b = server_b.unwrap();
+    assert!(b_blocks.iter().all(|h| server_b.stored.contains(h)));
+    assert!(expected.iter().all(|h| !server_b.stored.contains(h)));
+    // Asked again from the new version: nothing new.
+    let again = feed(port, page.version);
+    assert!(again
+        .servers
+        .iter()
+        .all(|s| s.stored.is_empty() && s.removed.is_empty()));
+}
+
+#[test]
+fn a_publisher_that_goes_away_is_not_live_and_comes_back_from_empty() {
+    let (a, endpoint) = publishing("kv-gone", &["--kv-blocks", "64"]);
+    let (_relay, port) = relay(&[(a.port, &endpoint)], 16);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http(port, "GET", "/stats", None).json()["servers"][0]["messages"] == 0 {
+        assert!(Instant::now() < deadline);
+        a.post("/v1/completions", &completion(&warm()));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let v = feed(port, 0).version;
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = http(port, "GET", "/stats", None).json();
+        if stats["servers"][0]["live"] == false {
+            assert_eq!(stats["servers"][0]["blocks"], 0);
+            assert_eq!(stats["servers"][0]["disconnects"], 1);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never noticed: {stats}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let page = feed(port, v);
+    assert!(!page.servers[0].live && page.servers[0].cleared);
+}
