@@ -418,6 +418,87 @@ impl DiscoveryConfig {
     }
 }
 
+/// Which belief the router routes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexMode {
+    /// What the router sent where, aged like the servers' LRU caches (no server help).
+    #[default]
+    Approximate,
+    /// What the servers' KV events report (through `prefixroute kv-events`), plus a short
+    /// speculation for requests just routed; an endpoint without events stays approximate.
+    Precise,
+}
+
+/// Where `index: precise` gets the servers' truth: the relay's feed, fetched by callouts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvEventsConfig {
+    /// The cluster whose member is the relay (`prefixroute kv-events --listen`).
+    pub cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Changes fetched per callout at most.
+    pub page_changes: u32,
+    /// Clock positions a block the router recorded (not yet in the server's events) stays
+    /// believed: long enough for the events of a request just routed to arrive.
+    pub speculative_blocks: u64,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            cluster: "prefixroute_kv".into(),
+            path: "/v1/kv/feed".into(),
+            interval_ms: 200,
+            timeout_ms: 500,
+            page_changes: 65_536,
+            speculative_blocks: 4096,
+        }
+    }
+}
+
+impl KvEventsConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.cluster.is_empty() {
+            return Err(out_of_range("kv_events.cluster", "a cluster name", "\"\""));
+        }
+        if !self.path.starts_with('/') {
+            return Err(out_of_range(
+                "kv_events.path",
+                "a path starting with /",
+                &self.path,
+            ));
+        }
+        if self.interval_ms < 10 {
+            return Err(out_of_range(
+                "kv_events.interval_ms",
+                "at least 10",
+                self.interval_ms,
+            ));
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > self.interval_ms.max(1) * 50 {
+            return Err(out_of_range(
+                "kv_events.timeout_ms",
+                "between 1 and 50 × interval_ms",
+                self.timeout_ms,
+            ));
+        }
+        if self.page_changes == 0 {
+            return Err(out_of_range("kv_events.page_changes", "at least 1", 0));
+        }
+        if self.speculative_blocks == 0 {
+            return Err(out_of_range(
+                "kv_events.speculative_blocks",
+                "at least 1",
+                0,
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The header that carries the chosen `ip:port` to Envoy's `override_host` policy: the Gateway
 /// API Inference Extension's contract.
 pub const DEFAULT_DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -434,6 +515,9 @@ pub struct PluginConfig {
     /// (`ip:port,ip:port,…`), for the route's retry policy to walk when the chosen one refuses
     /// the connection or resets the stream.
     pub failover: usize,
+    /// The router's belief: its own (`approximate`) or the servers' KV events (`precise`).
+    pub index: IndexMode,
+    pub kv_events: KvEventsConfig,
     pub policy: Policy,
     pub weights: Weights,
     pub saturation: SaturationFilter,
@@ -463,6 +547,8 @@ impl Default for PluginConfig {
             endpoints: Vec::new(),
             discovery: None,
             failover: 2,
+            index: IndexMode::Approximate,
+            kv_events: KvEventsConfig::default(),
             policy: router.policy,
             weights: router.weights,
             saturation: router.saturation,
@@ -544,6 +630,7 @@ impl PluginConfig {
             None if self.endpoints.is_empty() => return Err(ConfigError::NoEndpoints),
             None => {}
         }
+        self.kv_events.validate()?;
         if self.failover > 8 {
             return Err(out_of_range("failover", "between 0 and 8", self.failover));
         }
@@ -740,6 +827,14 @@ mod tests {
             (
                 r#"{"discovery":{"clutser":"x"}}"#,
                 "unknown field `clutser`",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"index":"exact"}"#,
+                "index: unknown variant `exact`",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"kv_events":{"interval_ms":1}}"#,
+                "kv_events.interval_ms must be at least 10, got 1",
             ),
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"failover":9}"#,

@@ -11,7 +11,7 @@
 //! `override_host` would accept it (healthy or degraded, not draining, not failing a check);
 //! an unroutable host stays a member (its prefix index is kept) but receives no request.
 
-use serde::Deserialize;
+use serde_json::Value;
 use thiserror::Error;
 
 use crate::config::{is_ip_port, EndpointConfig};
@@ -62,107 +62,86 @@ pub struct Discovered {
     pub truncated: usize,
 }
 
-#[derive(Deserialize)]
-struct Page {
-    #[serde(default)]
-    cluster_statuses: Vec<ClusterStatus>,
+/// What `override_host` accepts by default: HEALTHY, DEGRADED or UNKNOWN (EDS says nothing)
+/// and no failed check (a failed *degraded* check still serves, as in Envoy). Envoy's JSON omits
+/// false flags and an UNKNOWN status.
+fn routable(health: &Value) -> bool {
+    let eds_ok = matches!(
+        health.get("eds_health_status").and_then(Value::as_str),
+        None | Some("HEALTHY" | "DEGRADED" | "UNKNOWN")
+    );
+    let failed = [
+        "failed_active_health_check",
+        "failed_outlier_check",
+        "pending_dynamic_removal",
+        "excluded_via_immediate_hc_fail",
+        "active_hc_timeout",
+    ]
+    .iter()
+    .any(|flag| health.get(*flag).and_then(Value::as_bool) == Some(true));
+    eds_ok && !failed
 }
 
-#[derive(Deserialize)]
-struct ClusterStatus {
-    name: String,
-    #[serde(default)]
-    host_statuses: Vec<HostStatus>,
-}
-
-#[derive(Deserialize)]
-struct HostStatus {
-    #[serde(default)]
-    address: Option<Address>,
-    #[serde(default)]
-    hostname: String,
-    #[serde(default)]
-    health_status: Health,
-}
-
-#[derive(Deserialize)]
-struct Address {
-    #[serde(default)]
-    socket_address: Option<SocketAddress>,
-}
-
-#[derive(Deserialize)]
-struct SocketAddress {
-    address: String,
-    #[serde(default)]
-    port_value: u32,
-}
-
-/// Envoy's `admin.v3.HostHealthStatus`: JSON omits false flags and an UNKNOWN status.
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Health {
-    eds_health_status: Option<String>,
-    failed_active_health_check: bool,
-    failed_outlier_check: bool,
-    pending_dynamic_removal: bool,
-    excluded_via_immediate_hc_fail: bool,
-    active_hc_timeout: bool,
-}
-
-impl Health {
-    /// What `override_host` accepts by default: HEALTHY, DEGRADED or UNKNOWN (EDS says nothing)
-    /// and no failed check (a failed *degraded* check still serves, as in Envoy).
-    fn routable(&self) -> bool {
-        let eds_ok = matches!(
-            self.eds_health_status.as_deref(),
-            None | Some("HEALTHY" | "DEGRADED" | "UNKNOWN")
-        );
-        eds_ok
-            && !self.failed_active_health_check
-            && !self.failed_outlier_check
-            && !self.pending_dynamic_removal
-            && !self.excluded_via_immediate_hc_fail
-            && !self.active_hc_timeout
-    }
-}
-
-/// `ip:port` of a socket address, IPv6 bracketed as `override_host` expects.
-fn ip_port(socket: &SocketAddress) -> Option<String> {
-    let address = if socket.address.contains(':') {
-        format!("[{}]:{}", socket.address, socket.port_value)
+/// `ip:port` of a host's `address.socket_address`, IPv6 bracketed as `override_host` expects.
+fn ip_port(host: &Value) -> Option<String> {
+    let socket = host.get("address")?.get("socket_address")?;
+    let ip = socket.get("address")?.as_str()?;
+    let port = socket
+        .get("port_value")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let address = if ip.contains(':') {
+        format!("[{ip}]:{port}")
     } else {
-        format!("{}:{}", socket.address, socket.port_value)
+        format!("{ip}:{port}")
     };
     is_ip_port(&address).then_some(address)
 }
 
 /// The members of `cluster` in an admin `/clusters?format=json` page.
 pub fn members_of(page: &[u8], cluster: &str) -> Result<Discovered, DiscoveryError> {
-    let page: Page =
+    // Only a few fields of one cluster matter; a generic parse keeps the plugin small (the
+    // JSON parser is linked anyway) where typed structs would add their own decoders.
+    let page: Value =
         serde_json::from_slice(page).map_err(|e| DiscoveryError::Json(e.to_string()))?;
-    let status = page
-        .cluster_statuses
-        .into_iter()
-        .find(|c| c.name == cluster)
-        .ok_or_else(|| DiscoveryError::NoSuchCluster(cluster.to_string()))?;
+    let statuses = page
+        .get("cluster_statuses")
+        .map_or(Some(&[][..]), |v| v.as_array().map(Vec::as_slice))
+        .ok_or_else(|| DiscoveryError::Json("cluster_statuses is not a list".into()))?;
+    let mut status = None;
+    for c in statuses {
+        match c.get("name") {
+            Some(Value::String(name)) if name == cluster => {
+                status = Some(c);
+                break;
+            }
+            Some(Value::String(_)) => {}
+            _ => return Err(DiscoveryError::Json("a cluster without a name".into())),
+        }
+    }
+    let status = status.ok_or_else(|| DiscoveryError::NoSuchCluster(cluster.to_string()))?;
     let mut found = Discovered::default();
     let mut hosts: Vec<(String, String, bool)> = Vec::new();
-    for host in status.host_statuses {
-        let address = host
-            .address
-            .and_then(|a| a.socket_address)
-            .and_then(|s| ip_port(&s));
-        let Some(address) = address else {
+    let listed = status
+        .get("host_statuses")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    for host in listed {
+        let Some(address) = ip_port(host) else {
             found.skipped += 1;
             continue;
         };
+        let hostname = host
+            .get("hostname")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         // The same address twice (two localities, two priorities): one member, routable if
         // either copy is.
-        let routable = host.health_status.routable();
+        let routable = routable(host.get("health_status").unwrap_or(&Value::Null));
         match hosts.iter_mut().find(|(a, _, _)| *a == address) {
             Some(existing) => existing.2 |= routable,
-            None => hosts.push((address, host.hostname, routable)),
+            None => hosts.push((address, hostname, routable)),
         }
     }
     hosts.sort();

@@ -14,7 +14,7 @@ use prefixroute_core::metrics::ServerMetrics;
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 3;
+pub const LAYOUT: u8 = 4;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -105,8 +105,8 @@ impl<'a> Reader<'a> {
 ///
 /// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | window_start u64 |
 /// fill u64 | dead shift u8 | dead mask u16 | one u16 per set mask bit | capacity_tokens u64 |
-/// calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 | metrics mask u8 |
-/// one f64 per set mask bit`. 72 to 160 bytes.
+/// calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 | truth_epoch u64 |
+/// metrics mask u8 | one f64 per set mask bit`. 80 to 168 bytes. Flags: 1 = down, 2 = precise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
@@ -137,11 +137,18 @@ pub struct EndpointState {
     /// Consecutive failed scrapes (non-200 or no response).
     pub failures: u16,
     pub down: bool,
+    /// The server's KV events reach the plugin (`index: precise`): its confirmed blocks are
+    /// the truth, its unconfirmed ones a short speculation (see `store`).
+    pub precise: bool,
+    /// The clock when the server's events last said it lost everything (a restart, a gap, a
+    /// publisher back from silence): no stamp before it is held.
+    pub truth_epoch: u64,
     /// The last successful scrape; `None` = none yet, or the page did not parse.
     pub metrics: Option<ServerMetrics>,
 }
 
 const FLAG_DOWN: u8 = 1;
+const FLAG_PRECISE: u8 = 2;
 
 impl Default for EndpointState {
     fn default() -> Self {
@@ -157,6 +164,8 @@ impl Default for EndpointState {
             last_cold: 0,
             failures: 0,
             down: false,
+            precise: false,
+            truth_epoch: 0,
             metrics: None,
         }
     }
@@ -165,7 +174,7 @@ impl Default for EndpointState {
 impl EndpointState {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_layout();
-        w.u8(if self.down { FLAG_DOWN } else { 0 });
+        w.u8(if self.down { FLAG_DOWN } else { 0 } | if self.precise { FLAG_PRECISE } else { 0 });
         w.u16(self.failures);
         w.u64(self.clock);
         w.u64(self.window_start);
@@ -188,6 +197,7 @@ impl EndpointState {
         w.u64(self.next_scrape_ms);
         w.u64(self.scraped_at_ms);
         w.u64(self.last_cold);
+        w.u64(self.truth_epoch);
         match &self.metrics {
             None => w.u8(0),
             Some(m) => {
@@ -231,6 +241,7 @@ impl EndpointState {
         let next_scrape_ms = r.u64()?;
         let scraped_at_ms = r.u64()?;
         let last_cold = r.u64()?;
+        let truth_epoch = r.u64()?;
         let mask = r.u8()?;
         let metrics = if mask & 0x80 == 0 {
             None
@@ -263,6 +274,8 @@ impl EndpointState {
             last_cold,
             failures,
             down: flags & FLAG_DOWN != 0,
+            precise: flags & FLAG_PRECISE != 0,
+            truth_epoch,
             metrics,
         })
     }
@@ -290,9 +303,13 @@ pub struct Holder {
     pub endpoint: u64,
     pub stamp: u64,
     pub end: bool,
+    /// The server's own KV events reported the block (`index: precise`), not only our routing.
+    pub confirmed: bool,
 }
 
 const END_BIT: u64 = 1 << 63;
+const CONFIRMED_BIT: u64 = 1 << 62;
+const STAMP_BITS: u64 = CONFIRMED_BIT - 1;
 
 /// One block hash and the endpoints believed to hold it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -303,7 +320,7 @@ pub struct Entry {
 
 /// A bucket of the shared index (`prefixroute/ix/<bits>/<n>`): a handful of entries whose
 /// block hashes fall in it. Layout: `layout u8 | entries u8 | per entry: hash u64 |
-/// holders u8 | per holder: endpoint u64, stamp u64 (top bit: end)`.
+/// holders u8 | per holder: endpoint u64, stamp u64 (bit 63: end, bit 62: confirmed)`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub entries: Vec<Entry>,
@@ -320,7 +337,11 @@ impl Bucket {
             w.u8(holders.len() as u8);
             for h in holders {
                 w.u64(h.endpoint);
-                w.u64((h.stamp & !END_BIT) | if h.end { END_BIT } else { 0 });
+                w.u64(
+                    (h.stamp & STAMP_BITS)
+                        | if h.end { END_BIT } else { 0 }
+                        | if h.confirmed { CONFIRMED_BIT } else { 0 },
+                );
             }
         }
         w.0
@@ -339,8 +360,9 @@ impl Bucket {
                 let raw = r.u64()?;
                 holders.push(Holder {
                     endpoint,
-                    stamp: raw & !END_BIT,
+                    stamp: raw & STAMP_BITS,
                     end: raw & END_BIT != 0,
+                    confirmed: raw & CONFIRMED_BIT != 0,
                 });
             }
             entries.push(Entry { hash, holders });
@@ -599,6 +621,31 @@ impl Membership {
     }
 }
 
+/// Where the plugin is in the relay's KV feed, `prefixroute/kvfeed`: the feed version applied
+/// to shared data and the fetch lease. Layout: `layout u8 | version u64 | next_fetch_ms u64`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FeedCursor {
+    pub version: u64,
+    pub next_fetch_ms: u64,
+}
+
+impl FeedCursor {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_layout();
+        w.u64(self.version);
+        w.u64(self.next_fetch_ms);
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        let mut r = Reader::with_layout(bytes)?;
+        Some(FeedCursor {
+            version: r.u64()?,
+            next_fetch_ms: r.u64()?,
+        })
+    }
+}
+
 /// The instance registry, `prefixroute/instances`. Layout: `layout u8 | next_nonce u64 |
 /// n u16 | n × (slot u32, nonce u64, registered_ms u64)`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -683,21 +730,23 @@ mod tests {
             last_cold: 7,
             failures: 3,
             down: true,
+            precise: true,
+            truth_epoch: 99,
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 72);
+        assert_eq!(s.encode().len(), 80);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.dead.shift = 5;
         s.dead.counts[3] = 9;
         s.dead.counts[15] = u16::MAX;
         assert_eq!(
             s.encode().len(),
-            72 + 2 * 2,
+            80 + 2 * 2,
             "only the epochs with dead positions"
         );
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 72 + 2 * 2 + 7 * 8);
+        assert_eq!(s.encode().len(), 80 + 2 * 2 + 7 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(ServerMetrics::default());
@@ -785,11 +834,13 @@ mod tests {
                             endpoint: 1,
                             stamp: 10,
                             end: false,
+                            confirmed: false,
                         },
                         Holder {
                             endpoint: 2,
                             stamp: 20,
                             end: true,
+                            confirmed: false,
                         },
                     ],
                 },

@@ -35,6 +35,8 @@ pub struct PluginRoot {
     dispatch_warned: bool,
     /// The discovery is failing and that was logged: say it again only once it recovers.
     discovery_warned: bool,
+    /// The KV feed cannot be fetched and that was logged.
+    feed_warned: bool,
 }
 
 impl PluginRoot {
@@ -44,6 +46,7 @@ impl PluginRoot {
             metrics: Rc::new(RefCell::new(Metrics::default())),
             dispatch_warned: false,
             discovery_warned: false,
+            feed_warned: false,
         }
     }
 
@@ -89,6 +92,51 @@ impl PluginRoot {
                     "cannot send the discovery callout through cluster {cluster:?} (status \
                      {status:?}): does the cluster exist in Envoy's configuration?"
                 ));
+            }
+        }
+        flush(&mut e, &self.metrics);
+    }
+
+    /// Fetches the relay's KV feed when this instance holds its lease (`index: precise`).
+    fn fetch_feed(&mut self, scheduler: &SharedScheduler, now: u64) {
+        let (cluster, timeout, path) = {
+            let Ok(mut e) = scheduler.try_borrow_mut() else {
+                return;
+            };
+            let Some(path) = e.claim_feed(now) else {
+                flush(&mut e, &self.metrics);
+                return;
+            };
+            let kv = &e.config().kv_events;
+            (kv.cluster.clone(), kv.timeout_ms, path)
+        };
+        let headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", "prefixroute-kv"),
+            (":scheme", "http"),
+        ];
+        let sent = proxy_wasm::hostcalls::dispatch_http_call(
+            &cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(timeout),
+        );
+        let Ok(mut e) = scheduler.try_borrow_mut() else {
+            return;
+        };
+        match sent {
+            Ok(token) => e.feed_sent(token),
+            Err(status) => {
+                e.feed_not_sent();
+                if !self.feed_warned {
+                    self.feed_warned = true;
+                    host::warn(&format!(
+                        "prefixroute: cannot fetch the KV feed through cluster {cluster:?} \
+                         (status {status:?}): routing on the approximate belief"
+                    ));
+                }
             }
         }
         flush(&mut e, &self.metrics);
@@ -225,6 +273,20 @@ impl Context for PluginRoot {
             return;
         };
         let now = abi::now_ms();
+        if e.is_feed(token_id) {
+            let usable = e.feed_done(status, &body);
+            if !usable && !self.feed_warned {
+                self.feed_warned = true;
+                host::warn(&format!(
+                    "prefixroute: the KV feed answered {status:?} or garbage: endpoints stay on \
+                     the approximate belief until it answers"
+                ));
+            } else if usable {
+                self.feed_warned = false;
+            }
+            flush(&mut e, &self.metrics);
+            return;
+        }
         if e.is_discovery(token_id) {
             let outcome = e.discovery_done(status, &body);
             self.discovered(&e, outcome);
@@ -304,6 +366,7 @@ impl RootContext for PluginRoot {
             let now = abi::now_ms();
             self.scrape(&scheduler, now);
             self.discover(&scheduler, now);
+            self.fetch_feed(&scheduler, now);
         }
     }
 

@@ -5,21 +5,22 @@
 
 use std::collections::BTreeMap;
 
-use prefixroute_core::config::PluginConfig;
+use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
+use prefixroute_core::feed::FeedPage;
 use prefixroute_core::hashing::{hash_request, HashConfig};
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
-use crate::codec::{CalibrationRecord, EndpointState, Membership};
+use crate::codec::{CalibrationRecord, EndpointState, FeedCursor, Membership};
 use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
 use crate::settings::{instance_stale_ms, tick_ms};
 use crate::shared::{
     calibration_key, cas_update, endpoint_key, members_key, read_or_default, CasOutcome,
-    EndpointIds, SharedData, SharedDataErrors,
+    EndpointIds, SharedData, SharedDataErrors, FEED_KEY,
 };
 use crate::stats::{stat_token, CalloutEnd, Event};
 use crate::store::{table_bits, SharedIndex};
@@ -102,6 +103,8 @@ struct Pending {
 pub struct Scheduler<H: SharedData> {
     config: PluginConfig,
     pool: Pool,
+    /// The KV-feed callout this instance awaits: token, sent at, the version it asked from.
+    feed_awaiting: Option<(u32, u64, u64)>,
     stat_names: Vec<String>,
     keys: Vec<String>,
     router: Router<SharedIndex<H>>,
@@ -125,8 +128,11 @@ impl<H: SharedData> Scheduler<H> {
             .as_ref()
             .map_or(addresses.len(), |d| d.expected_endpoints);
         let bits = table_bits(sized_for, config.index_capacity_blocks);
-        let store =
+        let mut store =
             SharedIndex::with_table_bits(host, &addresses, config.index_capacity_blocks, bits);
+        if config.index == IndexMode::Precise {
+            store.set_precise(Some(config.kv_events.speculative_blocks));
+        }
         let tick = tick_ms(config.scrape.interval_ms);
         Scheduler {
             stat_names: members.iter().map(|m| stat_token(&m.name)).collect(),
@@ -143,6 +149,7 @@ impl<H: SharedData> Scheduler<H> {
                 members,
                 awaiting: None,
             },
+            feed_awaiting: None,
             config,
         }
     }
@@ -505,6 +512,7 @@ impl<H: SharedData> Scheduler<H> {
                 ) as u64,
                 prefill_ns_per_token: (rates[e] * 1e6).round() as u64,
                 down: state.down,
+                precise: self.config.index == IndexMode::Precise && state.precise,
             });
         }
         due
@@ -845,6 +853,141 @@ impl<H: SharedData> Scheduler<H> {
         Some(change)
     }
 
+    /// Claims the KV-feed fetch if it is due (`index: precise`; a lease in the feed cursor,
+    /// so one instance fetches per interval across all workers). Returns the `:path` to ask.
+    pub fn claim_feed(&mut self, now_ms: u64) -> Option<String> {
+        if self.config.index != IndexMode::Precise {
+            return None;
+        }
+        let kv = &self.config.kv_events;
+        let (interval, expiry) = (kv.interval_ms, kv.interval_ms + kv.timeout_ms);
+        if let Some((_, sent, _)) = self.feed_awaiting {
+            if now_ms.saturating_sub(sent) <= expiry {
+                return None;
+            }
+            self.feed_awaiting = None;
+        }
+        let mut since = 0;
+        let outcome = cas_update(
+            self.host(),
+            FEED_KEY,
+            FeedCursor::decode,
+            FeedCursor::encode,
+            |mut cursor: FeedCursor| {
+                (cursor.next_fetch_ms <= now_ms).then(|| {
+                    since = cursor.version;
+                    cursor.next_fetch_ms = now_ms + interval;
+                    cursor
+                })
+            },
+        );
+        self.settle(outcome)?;
+        self.feed_awaiting = Some((0, now_ms, since));
+        Some(format!(
+            "{}?since={since}&limit={}",
+            self.config.kv_events.path, self.config.kv_events.page_changes
+        ))
+    }
+
+    pub fn feed_sent(&mut self, token: u32) {
+        if let Some(awaiting) = self.feed_awaiting.as_mut() {
+            awaiting.0 = token;
+        }
+    }
+
+    pub fn feed_not_sent(&mut self) {
+        self.feed_awaiting = None;
+        self.events.push(Event::KvFeed(CalloutEnd::DispatchError));
+    }
+
+    pub fn is_feed(&self, token: u32) -> bool {
+        self.feed_awaiting.is_some_and(|(t, _, _)| t == token)
+    }
+
+    /// A feed page came back: if no other instance applied a page since ours was asked for
+    /// (the cursor still says `since`), move the cursor and write the page into the index.
+    /// Returns false when the answer was unusable (counted).
+    pub fn feed_done(&mut self, status: Option<u32>, body: &[u8]) -> bool {
+        let Some((_, _, since)) = self.feed_awaiting.take() else {
+            return false;
+        };
+        if status != Some(200) {
+            self.events.push(Event::KvFeed(CalloutEnd::Failed));
+            return false;
+        }
+        let Ok(page) = FeedPage::decode(body) else {
+            self.events.push(Event::KvFeed(CalloutEnd::Unparseable));
+            return false;
+        };
+        self.events.push(Event::KvFeed(CalloutEnd::Ok));
+        let next = page.version;
+        let outcome = cas_update(
+            self.host(),
+            FEED_KEY,
+            FeedCursor::decode,
+            FeedCursor::encode,
+            |mut cursor: FeedCursor| {
+                // A reset page replaces whatever we had: apply it even if the cursor moved.
+                (cursor.version == since || page.reset).then(|| {
+                    cursor.version = next;
+                    cursor
+                })
+            },
+        );
+        if self.settle(outcome).is_none() {
+            return true;
+        }
+        self.apply_page(&page);
+        true
+    }
+
+    /// Writes a feed page into the shared index: per server of the pool, whether its events
+    /// flow, a clear, its confirmed and removed blocks (one CAS per bucket touched).
+    fn apply_page(&mut self, page: &FeedPage) {
+        let (mut stored, mut removed, mut cleared, mut lost) = (0u64, 0u64, 0u32, 0u32);
+        let store = self.router.store_mut();
+        store.begin_request();
+        for server in &page.servers {
+            let Some(endpoint) = self
+                .pool
+                .members
+                .iter()
+                .position(|m| m.address == server.address)
+            else {
+                continue;
+            };
+            let was_precise = store.with_endpoint_state(endpoint, |s| s.precise);
+            if was_precise && !server.live {
+                lost += 1;
+            }
+            let unchanged = server.stored.is_empty()
+                && server.removed.is_empty()
+                && !server.cleared
+                && was_precise == server.live;
+            if unchanged {
+                continue;
+            }
+            cleared += u32::from(server.cleared);
+            stored += server.stored.len() as u64;
+            removed += server.removed.len() as u64;
+            store.apply_truth(
+                endpoint,
+                server.live,
+                server.cleared || page.reset,
+                &server.stored,
+                &server.removed,
+            );
+        }
+        let errors = store.end_request();
+        self.count_shared(errors);
+        self.events.push(Event::KvApplied {
+            stored,
+            removed,
+            cleared,
+            lost,
+        });
+    }
+
     pub fn drain_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
     }
@@ -852,6 +995,9 @@ impl<H: SharedData> Scheduler<H> {
 
 #[cfg(test)]
 mod pool_tests;
+
+#[cfg(test)]
+mod precise_tests;
 
 #[cfg(test)]
 mod tests {

@@ -46,6 +46,9 @@ pub fn calibration_key(address: &str) -> String {
 
 pub const REGISTRY_KEY: &str = "prefixroute/instances";
 
+/// Key of the [`crate::codec::FeedCursor`] (`index: precise`).
+pub const FEED_KEY: &str = "prefixroute/kvfeed";
+
 /// Key of the discovered [`crate::codec::Membership`] of a pool cluster.
 pub fn members_key(pool_cluster: &str) -> String {
     format!("prefixroute/members/{pool_cluster}")

@@ -73,6 +73,16 @@ pub enum Event {
         members: u32,
         routable: u32,
     },
+    /// How a KV-feed callout (`index: precise`) ended.
+    KvFeed(CalloutEnd),
+    /// What one feed page changed in the index: blocks confirmed, removed, servers cleared,
+    /// and servers whose events stopped (their endpoints fall back to the approximate belief).
+    KvApplied {
+        stored: u64,
+        removed: u64,
+        cleared: u32,
+        lost: u32,
+    },
     /// An endpoint left the pool: its gauges go to zero (and `down` to 1) under its name.
     EndpointLeft(String),
     /// Current view of an endpoint, set on every tick.
@@ -86,6 +96,8 @@ pub enum Event {
         /// The learned prefill cost.
         prefill_ns_per_token: u64,
         down: bool,
+        /// Its KV events reach the index (`index: precise`); 0 = approximate belief.
+        precise: bool,
     },
 }
 
@@ -192,6 +204,26 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             };
             vec![counter(format!("prefixroute.discovery.{what}"), 1)]
         }
+        Event::KvFeed(end) => {
+            let what = match end {
+                CalloutEnd::Ok => "ok",
+                CalloutEnd::Failed => "failures",
+                CalloutEnd::Unparseable => "parse_errors",
+                CalloutEnd::DispatchError => "dispatch_errors",
+            };
+            vec![counter(format!("prefixroute.kv.fetch.{what}"), 1)]
+        }
+        Event::KvApplied {
+            stored,
+            removed,
+            cleared,
+            lost,
+        } => vec![
+            counter("prefixroute.kv.stored".into(), *stored),
+            counter("prefixroute.kv.removed".into(), *removed),
+            counter("prefixroute.kv.cleared".into(), u64::from(*cleared)),
+            counter("prefixroute.kv.lost".into(), u64::from(*lost)),
+        ],
         Event::DiscoverySkipped(n) => vec![counter(
             "prefixroute.discovery.skipped_hosts".into(),
             u64::from(*n),
@@ -247,6 +279,7 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             capacity_blocks,
             prefill_ns_per_token,
             down,
+            precise,
         } => {
             let e = name(*endpoint);
             vec![
@@ -267,6 +300,10 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
                     *prefill_ns_per_token,
                 ),
                 gauge(format!("prefixroute.endpoint.{e}.down"), u64::from(*down)),
+                gauge(
+                    format!("prefixroute.endpoint.{e}.precise"),
+                    u64::from(*precise),
+                ),
             ]
         }
     }
@@ -306,6 +343,7 @@ mod tests {
                 capacity_blocks: 128,
                 prefill_ns_per_token: 500_000,
                 down: true,
+                precise: true,
             },
             &names,
         );
@@ -319,7 +357,8 @@ mod tests {
                     "prefixroute.endpoint.b.prefill_ns_per_token".into(),
                     500_000
                 ),
-                gauge("prefixroute.endpoint.b.down".into(), 1)
+                gauge("prefixroute.endpoint.b.down".into(), 1),
+                gauge("prefixroute.endpoint.b.precise".into(), 1),
             ]
         );
         let u = updates(

@@ -83,13 +83,16 @@ fn keep_score(f: Freshness) -> f64 {
 }
 
 /// One holder write: `endpoint` holds `hash` with `stamp` (and, with `end`, a request's full
-/// blocks ended there).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// blocks ended there; with `confirmed`, the server's events reported it), or with `remove`
+/// it no longer holds it (the server's events said it evicted the block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Update {
     pub endpoint: u64,
     pub hash: u64,
     pub stamp: u64,
     pub end: bool,
+    pub confirmed: bool,
+    pub remove: bool,
 }
 
 /// Applies `updates` to a bucket: drops expired holders, upserts (the newer stamp wins, an
@@ -100,33 +103,32 @@ pub fn apply_updates(
     bucket: &mut Bucket,
     updates: &[Update],
     ways: usize,
-    freshness: &dyn Fn(u64, u64) -> Freshness,
+    freshness: &dyn Fn(&Holder) -> Freshness,
 ) {
     for entry in &mut bucket.entries {
-        entry
-            .holders
-            .retain(|h| freshness(h.endpoint, h.stamp) != Freshness::Expired);
+        entry.holders.retain(|h| freshness(h) != Freshness::Expired);
     }
     for u in updates {
+        let holder = Holder {
+            endpoint: u.endpoint,
+            stamp: u.stamp,
+            end: u.end,
+            confirmed: u.confirmed,
+        };
         match bucket.entries.iter_mut().find(|e| e.hash == u.hash) {
+            Some(entry) if u.remove => entry.holders.retain(|h| h.endpoint != u.endpoint),
             Some(entry) => match entry.holders.iter_mut().find(|h| h.endpoint == u.endpoint) {
                 Some(h) => {
                     h.stamp = h.stamp.max(u.stamp);
                     h.end |= u.end;
+                    h.confirmed |= u.confirmed;
                 }
-                None => entry.holders.push(Holder {
-                    endpoint: u.endpoint,
-                    stamp: u.stamp,
-                    end: u.end,
-                }),
+                None => entry.holders.push(holder),
             },
+            None if u.remove => {}
             None => bucket.entries.push(Entry {
                 hash: u.hash,
-                holders: vec![Holder {
-                    endpoint: u.endpoint,
-                    stamp: u.stamp,
-                    end: u.end,
-                }],
+                holders: vec![holder],
             }),
         }
     }
@@ -135,10 +137,7 @@ pub fn apply_updates(
         if entry.holders.len() > MAX_HOLDERS {
             // Stable sort: among equals the earlier (older) holder goes first.
             entry.holders.sort_by(|a, b| {
-                let (fa, fb) = (
-                    keep_score(freshness(a.endpoint, a.stamp)),
-                    keep_score(freshness(b.endpoint, b.stamp)),
-                );
+                let (fa, fb) = (keep_score(freshness(a)), keep_score(freshness(b)));
                 fb.total_cmp(&fa)
             });
             entry.holders.truncate(MAX_HOLDERS);
@@ -148,7 +147,7 @@ pub fn apply_updates(
         let score = |e: &Entry| {
             e.holders
                 .iter()
-                .map(|h| keep_score(freshness(h.endpoint, h.stamp)))
+                .map(|h| keep_score(freshness(h)))
                 .fold(f64::NEG_INFINITY, f64::max)
         };
         // The least fresh entry goes; on ties the oldest (first) one.
@@ -205,6 +204,42 @@ pub struct SharedIndex<H: SharedData> {
     capacities: Vec<u64>,
     bits: u32,
     cache: RefCell<Cache>,
+    /// `index: precise`: how many clock positions a block the router recorded but the server
+    /// has not confirmed stays believed on an endpoint whose events arrive.
+    speculative_blocks: Option<u64>,
+}
+
+/// How `endpoint`'s holders are judged during one request.
+#[derive(Debug, Clone, Copy)]
+struct View {
+    clock: u64,
+    window: u64,
+    /// (truth epoch, speculative window) on an endpoint whose events are live.
+    precise: Option<(u64, u64)>,
+}
+
+impl View {
+    fn holds(&self, h: &Holder) -> bool {
+        match self.precise {
+            Some((epoch, speculative)) => {
+                h.stamp >= epoch
+                    && (h.confirmed || self.clock.saturating_sub(h.stamp) < speculative)
+            }
+            None => held(self.clock, h.stamp, self.window),
+        }
+    }
+
+    fn freshness(&self, h: &Holder) -> Freshness {
+        if !self.holds(h) {
+            return Freshness::Expired;
+        }
+        let span = match self.precise {
+            Some(_) if h.confirmed => return Freshness::Live(1.0),
+            Some((_, speculative)) => speculative,
+            None => self.window,
+        };
+        Freshness::Live(1.0 - self.clock.saturating_sub(h.stamp) as f64 / span.max(1) as f64)
+    }
 }
 
 impl<H: SharedData> SharedIndex<H> {
@@ -231,6 +266,7 @@ impl<H: SharedData> SharedIndex<H> {
             capacity,
             bits: bits.clamp(MIN_TABLE_BITS, MAX_TABLE_BITS),
             cache: RefCell::new(Cache::default()),
+            speculative_blocks: None,
         };
         index.set_endpoints(addresses);
         index
@@ -245,6 +281,101 @@ impl<H: SharedData> SharedIndex<H> {
         self.capacities = vec![self.capacity; addresses.len()];
         self.ids = EndpointIds::new(addresses);
         *self.cache.get_mut() = Cache::default();
+    }
+
+    /// `index: precise`: endpoints whose KV events arrive are judged by them, blocks only the
+    /// router recorded staying believed for `speculative_blocks` clock positions.
+    pub fn set_precise(&mut self, speculative_blocks: Option<u64>) {
+        self.speculative_blocks = speculative_blocks.map(|b| b.max(1));
+    }
+
+    /// How `endpoint`'s holders are judged now.
+    fn view(&self, endpoint: usize) -> View {
+        let capacity = self.endpoint_capacity(endpoint);
+        self.read_state(endpoint, true, |state| View {
+            clock: state.clock,
+            window: state.dead.window(state.clock, state.window_start, capacity),
+            precise: self
+                .speculative_blocks
+                .filter(|_| state.precise)
+                .map(|speculative| (state.truth_epoch, speculative)),
+        })
+    }
+
+    /// What `endpoint`'s server reported through the relay: whether its events arrive
+    /// (`live`), whether it lost everything first (`cleared`), the blocks it stored and the
+    /// ones it removed. One CAS on its record (stamps for the stored blocks; a clear moves its
+    /// truth epoch past every older stamp), then the holders, batched per bucket like a
+    /// request's writes (send them with `end_request`).
+    pub fn apply_truth(
+        &mut self,
+        endpoint: usize,
+        live: bool,
+        cleared: bool,
+        stored: &[u64],
+        removed: &[u64],
+    ) {
+        let (Some(id), Some(key)) = (self.ids.id(endpoint), self.state_keys.get(endpoint)) else {
+            return;
+        };
+        let n = stored.len() as u64;
+        let key = key.clone();
+        let outcome = read_modify_write(
+            CAS_ATTEMPTS,
+            |stale| {
+                self.load_state(endpoint, stale).map(|slot| Versioned {
+                    value: slot.value,
+                    cas: slot.cas.unwrap_or(0),
+                })
+            },
+            |mut next: EndpointState| {
+                if cleared || !live {
+                    next.truth_epoch = next.clock.saturating_add(1);
+                }
+                next.precise = live;
+                next.clock = next.clock.saturating_add(n);
+                Some(next)
+            },
+            |next, cas| self.host.set(&key, &next.encode(), cas),
+        );
+        let Some(next) = self.cache.borrow_mut().errors.settle(outcome) else {
+            return;
+        };
+        let clock = next.clock;
+        self.cache.borrow_mut().states.insert(
+            endpoint,
+            Slot {
+                value: next,
+                cas: None,
+            },
+        );
+        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
+        for (k, &hash) in stored.iter().enumerate() {
+            by_bucket
+                .entry(self.bucket_of(hash))
+                .or_default()
+                .push(Update {
+                    endpoint: id,
+                    hash,
+                    stamp: clock - k as u64,
+                    confirmed: true,
+                    ..Update::default()
+                });
+        }
+        for &hash in removed {
+            by_bucket
+                .entry(self.bucket_of(hash))
+                .or_default()
+                .push(Update {
+                    endpoint: id,
+                    hash,
+                    remove: true,
+                    ..Update::default()
+                });
+        }
+        for (bucket, updates) in by_bucket {
+            self.queue_updates(bucket, updates);
+        }
     }
 
     /// The id table the index writes holders with.
@@ -270,15 +401,6 @@ impl<H: SharedData> SharedIndex<H> {
             .get(endpoint)
             .copied()
             .unwrap_or(self.capacity)
-    }
-
-    /// The window of `endpoint`, in clock positions: its capacity widened by the dead
-    /// positions re-stamps left inside it (see `window`).
-    fn window(&self, endpoint: usize) -> u64 {
-        let capacity = self.endpoint_capacity(endpoint);
-        self.with_endpoint_state(endpoint, |state| {
-            state.dead.window(state.clock, state.window_start, capacity)
-        })
     }
 
     /// Forget cached reads: call before each request so it sees other workers' writes.
@@ -395,11 +517,6 @@ impl<H: SharedData> SharedIndex<H> {
         }
     }
 
-    /// The endpoint's clock without forcing a re-read after our own write.
-    fn clock(&self, endpoint: usize) -> u64 {
-        self.read_state(endpoint, true, |state| state.clock)
-    }
-
     /// Reads a bucket from shared data into the request cache (replacing what was cached),
     /// without copying it: the hot read path only looks into the cached copy.
     fn fetch_bucket(&self, bucket: u64) -> Result<(), u32> {
@@ -457,11 +574,8 @@ impl<H: SharedData> SharedIndex<H> {
     /// dominates a warm request). Only near the capacity window's edge can stamps from
     /// different records leave a gap, and then the answer is an approximation, as the whole
     /// index is (a belief about caches that evict on their own).
-    fn probe(&self, id: u64, clock: u64, capacity: u64, chain: &[u64]) -> (usize, Vec<usize>) {
-        let holds = |i: usize| {
-            self.stamp(chain[i], id)
-                .is_some_and(|s| held(clock, s, capacity))
-        };
+    fn probe(&self, id: u64, view: View, chain: &[u64]) -> (usize, Vec<usize>) {
+        let holds = |i: usize| self.holder(chain[i], id).is_some_and(|h| view.holds(&h));
         let n = chain.len();
         if n == 0 || !holds(0) {
             return (0, Vec::new());
@@ -485,19 +599,10 @@ impl<H: SharedData> SharedIndex<H> {
         (lo + 1, probes)
     }
 
-    fn freshness(&self, endpoint_id: u64, stamp: u64) -> Freshness {
-        match self.ids.index(endpoint_id) {
+    fn freshness(&self, h: &Holder) -> Freshness {
+        match self.ids.index(h.endpoint) {
             None => Freshness::Foreign,
-            Some(endpoint) => {
-                let clock = self.clock(endpoint);
-                let capacity = self.window(endpoint);
-                let age = clock.saturating_sub(stamp);
-                if age >= capacity {
-                    Freshness::Expired
-                } else {
-                    Freshness::Live(1.0 - age as f64 / capacity as f64)
-                }
-            }
+            Some(endpoint) => self.view(endpoint).freshness(h),
         }
     }
 
@@ -564,9 +669,7 @@ impl<H: SharedData> SharedIndex<H> {
             Err(status) => return self.note_read_error(status),
         };
         let mut value = slot.value;
-        apply_updates(&mut value, &updates, WAYS, &|id, stamp| {
-            self.freshness(id, stamp)
-        });
+        apply_updates(&mut value, &updates, WAYS, &|h| self.freshness(h));
         let mut cache = self.cache.borrow_mut();
         if let Some(cached) = cache.buckets.get_mut(&bucket) {
             cached.value = value;
@@ -600,9 +703,7 @@ impl<H: SharedData> SharedIndex<H> {
             },
             |(mut next, applied): (Bucket, bool)| {
                 if !applied {
-                    apply_updates(&mut next, updates, WAYS, &|id, stamp| {
-                        self.freshness(id, stamp)
-                    });
+                    apply_updates(&mut next, updates, WAYS, &|h| self.freshness(h));
                 }
                 Some((next, true))
             },
@@ -626,18 +727,17 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let Some(id) = self.ids.id(endpoint) else {
             return 0;
         };
-        self.probe(id, self.clock(endpoint), self.window(endpoint), chain)
-            .0
+        self.probe(id, self.view(endpoint), chain).0
     }
 
     fn record(&mut self, endpoint: usize, chain: &[u64]) {
         let Some(id) = self.ids.id(endpoint) else {
             return;
         };
-        let clock = self.clock(endpoint);
-        let window = self.window(endpoint);
+        let view = self.view(endpoint);
+        let (clock, window) = (view.clock, view.window);
         let refresh_after = (self.endpoint_capacity(endpoint) / 4).max(1);
-        let (matched, probes) = self.probe(id, clock, window, chain);
+        let (matched, probes) = self.probe(id, view, chain);
         let needs_stamp = |hash: u64| {
             self.stamp(hash, id)
                 .map_or(true, |s| clock.saturating_sub(s) >= refresh_after)
@@ -676,7 +776,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                     endpoint: id,
                     hash,
                     stamp: new_clock - k as u64,
-                    end: false,
+                    ..Update::default()
                 });
         }
         for (bucket, updates) in by_bucket {
@@ -738,16 +838,16 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             }
         }
         // Held already (a request that repeats an earlier one exactly): mark it, unless it is.
-        let clock = self.clock(endpoint);
-        let window = self.window(endpoint);
+        let view = self.view(endpoint);
         match self.holder(hash, id) {
-            Some(h) if !h.end && held(clock, h.stamp, window) => self.queue_updates(
+            Some(h) if !h.end && view.holds(&h) => self.queue_updates(
                 bucket,
                 vec![Update {
                     endpoint: id,
                     hash,
                     stamp: h.stamp,
                     end: true,
+                    ..Update::default()
                 }],
             ),
             _ => {}
@@ -779,6 +879,7 @@ mod tests {
                 hash,
                 stamp,
                 end: false,
+                ..Update::default()
             })
             .collect()
     }
@@ -810,7 +911,8 @@ mod tests {
     #[test]
     fn apply_updates_upserts_drops_expired_and_sheds_least_fresh() {
         let mut b = Bucket::default();
-        let f = |_: u64, stamp: u64| {
+        let f = |h: &Holder| {
+            let stamp = h.stamp;
             if stamp == 0 {
                 Freshness::Expired
             } else if stamp == 1 {
@@ -833,6 +935,7 @@ mod tests {
                 endpoint: 7,
                 stamp: 0,
                 end: false,
+                confirmed: false,
             }],
         });
         apply_updates(&mut b, &up(5, &[]), 3, &f);
@@ -844,6 +947,7 @@ mod tests {
                 endpoint: 8,
                 stamp: 1,
                 end: false,
+                confirmed: false,
             }],
         });
         apply_updates(&mut b, &up(5, &[(3, 90)]), 3, &f);
@@ -857,7 +961,7 @@ mod tests {
     #[test]
     fn holders_per_entry_are_capped_keeping_the_freshest() {
         let mut b = Bucket::default();
-        let f = |_: u64, stamp: u64| Freshness::Live(stamp as f64 / 1000.0);
+        let f = |h: &Holder| Freshness::Live(h.stamp as f64 / 1000.0);
         for e in 0..(MAX_HOLDERS as u64 + 4) {
             apply_updates(&mut b, &up(e, &[(1, 100 + e)]), WAYS, &f);
         }
