@@ -43,6 +43,8 @@ pub struct EnvoySetup {
     pub plugin: PluginConfig,
     pub pool: Pool,
     pub wasm_path: PathBuf,
+    /// `index: precise`: where `prefixroute kv-events` serves its feed.
+    pub kv_relay: Option<SocketAddr>,
 }
 
 pub const POOL_CLUSTER: &str = "prefixroute_pool";
@@ -189,6 +191,17 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
             "lb_policy": "CLUSTER_PROVIDED",
             "original_dst_lb_config": {"use_http_header": true},
         }));
+        if let Some(relay) = setup.kv_relay {
+            // The KV-event relay's feed, for the plugin's callouts only.
+            clusters.push(json!({
+                "name": setup.plugin.kv_events.cluster,
+                "connect_timeout": "0.25s",
+                "type": "STATIC",
+                "load_assignment": {"cluster_name": setup.plugin.kv_events.cluster, "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": socket(&relay.to_string())?}},
+                ]}]},
+            }));
+        }
         if let Some(discovery) = &setup.plugin.discovery {
             // Envoy's own admin listener, for the discovery callouts only (no route points
             // here). An admin bound to every address is still reached on loopback.
@@ -506,6 +519,7 @@ mod tests {
             plugin,
             pool: Pool::Static(endpoints()),
             wasm_path: "/x/prefixroute_plugin.wasm".into(),
+            kv_relay: None,
         }
     }
 

@@ -131,13 +131,12 @@ impl Feed {
             match change {
                 Change::Stored(h) => s.stored.push(h),
                 Change::Removed(h) => {
-                    // Stored and removed within this page: it never reaches the plugin.
-                    match s.stored.iter().position(|&x| x == h) {
-                        Some(i) => {
-                            s.stored.swap_remove(i);
-                        }
-                        None => s.removed.push(h),
+                    // Stored and removed within this page: not stored after all, but still a
+                    // removal (the plugin may hold the block from its own routing).
+                    if let Some(i) = s.stored.iter().position(|&x| x == h) {
+                        s.stored.swap_remove(i);
                     }
+                    s.removed.push(h);
                 }
                 Change::Cleared => {
                     s.cleared = true;
@@ -247,6 +246,20 @@ mod tests {
         // Paging: one change at a time still gets everywhere.
         let one = f.page(0, 1);
         assert_eq!(one.version, 1);
+    }
+
+    #[test]
+    fn a_block_stored_and_removed_within_one_page_still_reaches_the_plugin_as_removed() {
+        // The plugin may hold it from its own routing (a speculative holder): it must hear
+        // of the removal even when the store never reaches it.
+        let mut f = feed(100);
+        f.apply(0, &stored(0, 1, vec![1, 2]));
+        let v = f.version();
+        f.apply(0, &stored(1, 2, vec![3, 4]));
+        f.apply(0, &removed(2, 2));
+        let page = f.page(v, 100);
+        assert!(page.servers[0].stored.is_empty());
+        assert_eq!(page.servers[0].removed.len(), 1);
     }
 
     #[test]

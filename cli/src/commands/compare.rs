@@ -155,6 +155,7 @@ fn run_policy(args: &Args, policy: &str, trace: &[TraceRecord], label: &str) -> 
         } else {
             PathBuf::new()
         },
+        kv_relay: args.plugin.kv_relay()?,
         plugin,
         pool: envoy::Pool::Static(endpoints),
     };

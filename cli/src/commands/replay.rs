@@ -31,7 +31,7 @@ pub use summary::Summary;
 
 const JSON_FIELDS: &str = "\
 JSON output (--json) is one object; its field names are stable:
-  trace, url               the trace file and the base URL
+  trace, url               the trace file and the base URL (several: comma-separated)
   requests                 requests in the trace (all were sent)
   succeeded, errors        2xx answers / everything else
   errors_by_kind           {kind: count}; kinds: http_<status>, timeout, connect, transport
@@ -68,9 +68,10 @@ pub struct Args {
     /// Trace file (JSONL) from `prefixroute trace`.
     trace: PathBuf,
     /// Base URL requests are sent to, e.g. http://127.0.0.1:8080; bodies with `messages` go to
-    /// /v1/chat/completions, bodies with `prompt` to /v1/completions.
-    #[arg(long)]
-    url: String,
+    /// /v1/chat/completions, bodies with `prompt` to /v1/completions. Repeat it to alternate
+    /// requests between several gateways (request i goes to URL i mod n).
+    #[arg(long = "url", required = true)]
+    urls: Vec<String>,
     /// NAME=URL of a server whose prefix-cache counters are read before and after the run
     /// (repeatable). A URL without a path means its /metrics.
     #[arg(long = "metrics", value_name = "NAME=URL")]
@@ -123,7 +124,7 @@ fn metrics_targets(specs: &[String]) -> Result<Vec<MetricsTarget>> {
 /// Everything a run needs, checked before anything is sent.
 struct Run {
     trace: String,
-    url: BaseUrl,
+    urls: Vec<BaseUrl>,
     requests: Vec<Prepared>,
     targets: Vec<MetricsTarget>,
     limit: Option<usize>,
@@ -133,13 +134,17 @@ struct Run {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let url = BaseUrl::parse(&args.url).context("--url")?;
+    let urls = args
+        .urls
+        .iter()
+        .map(|u| BaseUrl::parse(u).with_context(|| format!("--url {u}")))
+        .collect::<Result<Vec<_>>>()?;
     let targets = metrics_targets(&args.metrics)?;
     let records = super::read_trace(&args.trace)?;
     let run = Run {
         trace: args.trace.display().to_string(),
-        requests: send::prepare(&records, &url)?,
-        url,
+        requests: send::prepare(&records, &urls)?,
+        urls,
         targets,
         limit: args.concurrency_limit,
         timeout: Duration::from_secs_f64(args.timeout_s),
@@ -169,11 +174,11 @@ pub fn replay_records(
     timeout: Duration,
     settle: Duration,
 ) -> Result<Summary> {
-    let url = BaseUrl::parse(url).context("--url")?;
+    let urls = vec![BaseUrl::parse(url).context("--url")?];
     let run = Run {
         trace: label.to_string(),
-        requests: send::prepare(records, &url)?,
-        url,
+        requests: send::prepare(records, &urls)?,
+        urls,
         targets: metrics_targets(metrics)?,
         limit: None,
         timeout,
@@ -222,7 +227,11 @@ async fn replay(run: Run) -> Result<(Summary, Option<anyhow::Error>)> {
     };
     let summary = Summary::new(
         run.trace,
-        run.url.to_string(),
+        run.urls
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
         &outcomes,
         duration,
         server_counters,

@@ -2,7 +2,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use prefixroute_core::config::{EndpointConfig, PluginConfig, Policy, Weights};
+use prefixroute_core::config::{EndpointConfig, IndexMode, PluginConfig, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
 
 use crate::envoy::{self, Balancer, EnvoySetup, Pool};
@@ -103,11 +103,44 @@ pub struct PluginArgs {
     /// (the pool then cannot change without a new configuration).
     #[arg(long)]
     static_pool: bool,
+    /// The router's belief: `approximate` (what it sent where) or `precise` (the servers' KV
+    /// events through `prefixroute kv-events`; needs --kv-relay).
+    #[arg(long, default_value = "approximate", value_parser = parse_index)]
+    index: IndexMode,
+    /// Where `prefixroute kv-events` serves its feed (`--listen` there), for --index precise.
+    #[arg(long, value_name = "IP:PORT")]
+    kv_relay: Option<SocketAddr>,
+    /// How often the plugin fetches the relay's feed (--index precise).
+    #[arg(long, default_value_t = 200)]
+    kv_interval_ms: u64,
+}
+
+fn parse_index(s: &str) -> Result<IndexMode, String> {
+    match s {
+        "approximate" => Ok(IndexMode::Approximate),
+        "precise" => Ok(IndexMode::Precise),
+        _ => Err("expected approximate or precise".into()),
+    }
 }
 
 impl PluginArgs {
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// The relay's address for --index precise (an error without it).
+    pub fn kv_relay(&self) -> Result<Option<SocketAddr>> {
+        match (self.index, self.kv_relay) {
+            (IndexMode::Precise, None) => {
+                anyhow::bail!(
+                    "--index precise needs --kv-relay IP:PORT (prefixroute kv-events --listen)"
+                )
+            }
+            (IndexMode::Approximate, Some(_)) => {
+                anyhow::bail!("--kv-relay is only used with --index precise")
+            }
+            (_, relay) => Ok(relay),
+        }
     }
 
     /// The plugin configuration for a pool of these endpoints, validated as the plugin will:
@@ -129,6 +162,7 @@ impl PluginArgs {
             endpoints,
             discovery,
             failover: self.failover,
+            index: self.index,
             policy,
             weights: self.weights,
             block_size: self.block_size,
@@ -147,6 +181,7 @@ impl PluginArgs {
         config.scrape.timeout_ms = self.scrape_timeout_ms;
         config.scrape.stale_after_ms = self.stale_after_ms;
         config.scrape.failures_to_down = self.failures_to_down;
+        config.kv_events.interval_ms = self.kv_interval_ms;
         config.validate().context("invalid plugin options")?;
         Ok(config)
     }
@@ -195,6 +230,7 @@ pub fn run(args: Args) -> Result<()> {
         listen: args.listen,
         admin: args.admin,
         balancer,
+        kv_relay: args.plugin.kv_relay()?,
         plugin,
         pool,
         wasm_path,

@@ -50,7 +50,9 @@ fn with_usage_requested(body: &Value) -> Value {
     body
 }
 
-pub fn prepare(records: &[TraceRecord], base: &BaseUrl) -> Result<Vec<Prepared>> {
+/// Request `i` goes to `bases[i % bases.len()]` (several gateways, alternating).
+pub fn prepare(records: &[TraceRecord], bases: &[BaseUrl]) -> Result<Vec<Prepared>> {
+    anyhow::ensure!(!bases.is_empty(), "no URL to send to");
     records
         .iter()
         .enumerate()
@@ -60,7 +62,7 @@ pub fn prepare(records: &[TraceRecord], base: &BaseUrl) -> Result<Vec<Prepared>>
                 at: Duration::try_from_secs_f64(record.t).with_context(|| {
                     format!("request {}: t = {} is out of range", i + 1, record.t)
                 })?,
-                uri: base.join(api_path(&record.body))?,
+                uri: bases[i % bases.len()].join(api_path(&record.body))?,
                 body: Bytes::from(with_usage_requested(&record.body).to_string()),
             })
         })
