@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Several gateways at once: does each Envoy's prefix belief still hold when a client spreads
+its requests over two of them?
+
+Four runs of the same trace, each on fresh fake vLLM replicas that publish KV events, with a
+fresh `prefixroute kv-events` relay:
+
+  1 gateway,  index approximate    the plugin's own belief, one Envoy
+  2 gateways, index approximate    two Envoys (each its own shared data), requests alternating
+  1 gateway,  index precise        the servers' KV events through the relay
+  2 gateways, index precise        both Envoys read the same relay
+
+The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
+library only; only 127.0.0.1 is contacted; every process is killed at the end.
+
+usage: bench/gateways.py [--requests N] [--out FILE.json]
+(needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+CLI = TARGET / "debug" / "prefixroute"
+WASM = TARGET / "wasm32-wasip1" / "release" / "prefixroute_plugin.wasm"
+ENVOY = Path(os.environ.get("ENVOY") or ROOT / ".venv" / "bin" / "envoy")
+
+REPLICAS = 3
+# Caches that hold about half of the tenants' prompts (24 tenants of ~13 blocks, 3 × 52).
+KV_BLOCKS = 52
+TRACE = ["--shape", "tenants", "--tenants", "24", "--prompt-words", "180",
+         "--question-words", "12", "--rate", "20", "--seed", "7"]
+PREFILL_MS_PER_TOKEN = "0.5"
+
+procs = []
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv, log):
+    p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL,
+                         stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    procs.append(p)
+    return p
+
+
+def stop_all():
+    while procs:
+        p = procs.pop()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def get(url, timeout=2.0):
+    assert url.startswith("http://127.0.0.1:"), url
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except Exception:  # noqa: BLE001 - any failure means "not yet"
+        return None, b""
+
+
+def wait(what, check, seconds=30):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready after {seconds} s")
+
+
+def replica(work, name):
+    port, events = free_port(), free_port()
+    spawn([CLI, "fake-server", "--port", port, "--name", name, "--kv-blocks", KV_BLOCKS,
+           "--lanes", "4", "--prefill-ms-per-token", PREFILL_MS_PER_TOKEN,
+           "--kv-events", f"tcp://127.0.0.1:{events}"], work / f"{name}.log")
+    wait(name, lambda: get(f"http://127.0.0.1:{port}/health")[0] == 200)
+    return name, port, events
+
+
+def run(work, gateways, index, trace):
+    fleet = [replica(work, f"replica-{i}") for i in range(REPLICAS)]
+    relay = free_port()
+    argv = [CLI, "kv-events", "--listen", f"127.0.0.1:{relay}"]
+    for _, port, events in fleet:
+        argv += ["--publisher", f"127.0.0.1:{port}=tcp://127.0.0.1:{events}"]
+    spawn(argv, work / "relay.log")
+    wait("relay", lambda: get(f"http://127.0.0.1:{relay}/health")[0] == 200)
+    # ZMQ's slow joiner: publish until the relay hears every replica.
+    def heard():
+        for _, port, _ in fleet:
+            body = json.dumps({"model": "cc-sim", "max_tokens": 1,
+                               "prompt": f"warm {time.monotonic()} " * 12}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"content-type": "application/json"})
+            urllib.request.urlopen(req, timeout=5).read()
+        status, body = get(f"http://127.0.0.1:{relay}/stats")
+        return status == 200 and all(s["messages"] > 0 for s in json.loads(body)["servers"])
+    wait("relay subscriptions", heard)
+    urls = []
+    for g in range(gateways):
+        port, admin = free_port(), free_port()
+        argv = [CLI, "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+                "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", "latency",
+                "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN]
+        if index == "precise":
+            argv += ["--kv-relay", f"127.0.0.1:{relay}"]
+        for name, rport, _ in fleet:
+            argv += ["--endpoint", f"{name}=http://127.0.0.1:{rport}"]
+        spawn(argv, work / f"envoy-{g}.log")
+        wait(f"gateway {g}", lambda: get(f"http://127.0.0.1:{admin}/ready")[0] == 200)
+        urls.append(f"http://127.0.0.1:{port}")
+    time.sleep(2.5)  # the first discovery, scrapes and feed fetches
+    argv = [CLI, "replay", trace, "--json", "--no-progress", "--timeout-s", "60"]
+    for u in urls:
+        argv += ["--url", u]
+    for name, port, _ in fleet:
+        argv += ["--metrics", f"{name}=http://127.0.0.1:{port}"]
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True)
+    stop_all()
+    report = json.loads(out.stdout)
+    return {
+        "gateways": gateways,
+        "index": index,
+        "requests": report["requests"],
+        "errors": report["errors"],
+        "hit_rate": report["server_counters"]["hit_rate"],
+        "latency_p50_ms": report["latency_ms"]["p50"],
+        "latency_p95_ms": report["latency_ms"]["p95"],
+        "groups_on_one": f'{report["groups_on_one_endpoint"]["single"]}/'
+                         f'{report["groups_on_one_endpoint"]["groups"]}',
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    for path in (CLI, WASM, ENVOY):
+        if not path.exists():
+            sys.exit(f"gateways: {path} is missing (build first: ./test.sh or bench/setup.sh)")
+    work = Path(tempfile.mkdtemp(prefix="prefixroute-gateways-"))
+    trace = work / "trace.jsonl"
+    subprocess.run([str(CLI), "trace", *TRACE, "--requests", str(args.requests), "-o", str(trace)],
+                   check=True, capture_output=True)
+    rows = []
+    try:
+        for index in ("approximate", "precise"):
+            for gateways in (1, 2):
+                rows.append(run(work, gateways, index, trace))
+                print(f"  {gateways} gateway(s), {index}: {rows[-1]}", file=sys.stderr)
+    finally:
+        stop_all()
+    print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
+          f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy latency\n")
+    print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
+          f"  groups on one")
+    for r in rows:
+        print(f"{r['index']:<12} {r['gateways']:>8} {r['errors']:>6} {100 * r['hit_rate']:>8.1f}%"
+              f" {r['latency_p50_ms']:>6.1f} ms {r['latency_p95_ms']:>6.1f} ms  {r['groups_on_one']}")
+    by = {(r["index"], r["gateways"]): r["hit_rate"] for r in rows}
+    for index in ("approximate", "precise"):
+        drop = 100 * (by[(index, 1)] - by[(index, 2)])
+        print(f"{index}: two gateways lose {drop:.1f} points of hit rate against one")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
