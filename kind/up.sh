@@ -138,16 +138,22 @@ cp "$here/wasm-server/Dockerfile" "$wasm" "$tmp/"
 mv "$tmp/prefixroute_plugin.wasm" "$tmp/prefixroute.wasm"
 docker build -q -t prefixroute-wasm:dev "$tmp" >/dev/null || die "docker could not build prefixroute-wasm:dev"
 kind load docker-image prefixroute-wasm:dev --name "$cluster" || die "kind could not load prefixroute-wasm:dev"
+# The KV-event relay runs the CLI itself.
+cli_tmp=$(mktemp -d)
+cp "$here/kv-events/Dockerfile" "$cli" "$cli_tmp/"
+docker build -q -t prefixroute-cli:dev "$cli_tmp" >/dev/null || die "docker could not build prefixroute-cli:dev"
+kind load docker-image prefixroute-cli:dev --name "$cluster" || die "kind could not load prefixroute-cli:dev"
+rm -rf "$cli_tmp"
 
 # ---------------------------------------------------------------------------------------------
 step "5/7 simulator replicas, InferencePool and wasm server"
 k apply -f "$here/base/namespace.yaml" || die "could not create the namespace"
-for f in vllm-sim inferencepool wasm-server; do
+for f in vllm-sim inferencepool wasm-server kv-events; do
     k apply -f "$here/base/$f.yaml" || die "could not apply base/$f.yaml"
 done
 # A new module under the same tag: restart the server so it serves the new file.
 k -n "$ns" rollout restart deployment/prefixroute-wasm >/dev/null
-for d in vllm-sim prefixroute-wasm; do
+for d in vllm-sim prefixroute-wasm prefixroute-kv-events; do
     k -n "$ns" rollout status "deployment/$d" --timeout=300s ||
         die "deployment $d did not become ready (kubectl -n $ns describe pods)"
 done

@@ -393,3 +393,58 @@ fn an_evicted_prefix_is_routed_cold_with_precise_events_and_believed_with_the_ap
         }
     }
 }
+
+#[test]
+fn publishers_that_connect_to_a_bound_relay_are_known_by_their_topic() {
+    let zmq = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bind = format!("tcp://127.0.0.1:{zmq}");
+    let _relay = Killed(
+        Command::new(BIN)
+            .args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--bind", &bind, "--max-servers", "8"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "relay did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let server = FakeServer::start("kv-pod", &["--kv-events-to", &bind]);
+    let body = completion(&"Documents about the pool and its pods move around. ".repeat(6));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let expected = router_blocks(&body, 16);
+    loop {
+        // Until the PUB socket has connected, what it publishes waits in its channel.
+        assert_eq!(server.post("/v1/completions", &body).status, 200);
+        let page = feed(port, 0);
+        let mine = page
+            .servers
+            .iter()
+            .find(|s| s.address == format!("127.0.0.1:{}", server.port));
+        if let Some(s) = mine {
+            assert!(s.live);
+            assert!(expected.iter().all(|h| s.stored.contains(h) || page.reset));
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay never named the server by its topic"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stats = http(port, "GET", "/stats", None).json();
+    assert_eq!(stats["unknown_topics"], 0);
+}

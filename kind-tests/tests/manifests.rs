@@ -818,3 +818,73 @@ fn scripts_pass_bash_n_and_shellcheck() {
         "up.sh renders no endpoint list"
     );
 }
+
+#[test]
+fn the_kv_event_relay_is_wired_to_the_simulator_and_to_both_variants() {
+    let base = plugin_base();
+    assert_eq!(base.index, prefixroute_core::config::IndexMode::Precise);
+    let relay = find("base", "Deployment", "prefixroute-kv-events");
+    let service = find("base", "Service", "prefixroute-kv-events");
+    let args: Vec<&str> = relay["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| *a == flag)
+            .and_then(|i| args.get(i + 1).copied())
+            .unwrap_or_else(|| panic!("relay {flag} missing"))
+    };
+    assert_eq!(args[0], "kv-events");
+    assert_eq!(value("--block-size"), base.block_size.to_string());
+    assert_eq!(Some(value("--model")), base.model.as_deref());
+    let port_of = |name: &str| {
+        service["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["targetPort"] == name)
+            .and_then(|p| p["port"].as_u64())
+            .unwrap_or_else(|| panic!("no Service port for {name}"))
+    };
+    let fqdn = format!("prefixroute-kv-events.{NS}.svc.cluster.local");
+    // The simulator publishes to the relay's bound SUB socket.
+    let sim = find("base", "Deployment", "vllm-sim");
+    let sim_args: Vec<&str> = sim["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let zmq = sim_args
+        .iter()
+        .position(|a| *a == "--zmq-endpoint")
+        .map(|i| sim_args[i + 1])
+        .expect("the simulator publishes KV events");
+    assert_eq!(zmq, format!("tcp://{fqdn}:{}", port_of("zmq")));
+    assert!(value("--bind").ends_with(":5557"));
+    // Both variants reach the relay's feed through the cluster the plugin names.
+    let istio = find("istio", "EnvoyFilter", "prefixroute")["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["patch"]["value"]["name"] == base.kv_events.cluster.as_str())
+        .map(|p| p["patch"]["value"].clone())
+        .expect("Istio: the relay's cluster");
+    let eg = find("envoy-gateway", "EnvoyPatchPolicy", "prefixroute")["spec"]["jsonPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == base.kv_events.cluster.as_str())
+        .map(|p| p["operation"]["value"].clone())
+        .expect("Envoy Gateway: the relay's cluster");
+    for cluster in [istio, eg] {
+        let socket = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            ["address"]["socket_address"];
+        assert_eq!(socket["address"], fqdn.as_str());
+        assert_eq!(socket["port_value"], port_of("feed"));
+        assert_eq!(cluster["type"], "STRICT_DNS");
+    }
+}

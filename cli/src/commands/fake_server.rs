@@ -64,8 +64,12 @@ pub struct Args {
     /// Publish KV-cache events as vLLM does (`--kv-events-config` with the zmq publisher): a
     /// ZMQ PUB socket bound here (port 0 picks one; the second start line names it), topic
     /// `kv@<ip:port>@<model>`.
-    #[arg(long, value_name = "tcp://IP:PORT")]
+    #[arg(long, value_name = "tcp://IP:PORT", conflicts_with = "kv_events_to")]
     kv_events: Option<String>,
+    /// Publish KV events by connecting to a relay that binds (`prefixroute kv-events --bind`),
+    /// as vLLM does with `endpoint: tcp://RELAY:PORT`.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    kv_events_to: Option<String>,
 }
 
 fn positive(s: &str) -> Result<usize, String> {
@@ -115,15 +119,22 @@ async fn serve(args: Args) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let addr = listener.local_addr()?;
-    let publisher = match &args.kv_events {
-        Some(endpoint) => Some(kv_events::bind(endpoint).await?),
-        None => None,
+    let publisher = match (&args.kv_events, &args.kv_events_to) {
+        (Some(endpoint), _) => {
+            let (socket, bound) = kv_events::bind(endpoint).await?;
+            Some((kv_events::Publisher::Bound(socket), format!("{bound}")))
+        }
+        (None, Some(relay)) => Some((
+            kv_events::Publisher::ConnectTo(relay.clone()),
+            format!("{relay} (connecting)"),
+        )),
+        (None, None) => None,
     };
-    let events = publisher.map(|(socket, bound)| {
+    let events = publisher.map(|(publisher, shown)| {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let topic = prefixroute_kvevents::schema::topic(&addr.to_string(), &config.model);
-        tokio::spawn(kv_events::publish(socket, topic, rx));
-        (tx, bound)
+        tokio::spawn(kv_events::publish(publisher, topic, rx));
+        (tx, shown)
     });
     let (events, bound) = match events {
         Some((tx, bound)) => (Some(tx), Some(bound)),

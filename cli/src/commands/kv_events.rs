@@ -37,13 +37,20 @@ pub struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: SocketAddr,
     /// A server: its pool address (the ip:port the plugin routes to) and its KV-event
-    /// publisher, `IP:PORT=tcp://HOST:PORT` (repeat for each server).
-    #[arg(
-        long = "publisher",
-        required = true,
-        value_name = "IP:PORT=tcp://HOST:PORT"
-    )]
+    /// publisher, `IP:PORT=tcp://HOST:PORT`, which the relay connects to (repeat for each).
+    #[arg(long = "publisher", value_name = "IP:PORT=tcp://HOST:PORT")]
     publishers: Vec<String>,
+    /// Also bind a SUB socket here for publishers that connect to the relay (vLLM's
+    /// `kv-events-config` with `endpoint: tcp://RELAY:5557`, as in Kubernetes where pod IPs
+    /// change); each server is named by its topic, `kv@<ip:port>@<model>`.
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    bind: Option<String>,
+    /// Servers learned from topics at most (`--bind`): bounds the relay's memory.
+    #[arg(long, default_value_t = 1024)]
+    max_servers: usize,
+    /// The serving port of servers whose topic names only an IP (`kv@<ip>@<model>`).
+    #[arg(long)]
+    default_port: Option<u16>,
     /// The model the servers serve: the router's chains start from it.
     #[arg(long, default_value = "cc-sim")]
     model: String,
@@ -71,6 +78,42 @@ struct State {
     feed: Feed,
     addresses: Vec<String>,
     wire: Vec<Wire>,
+    /// Model, block size and capacity of servers learned from topics (`--bind`).
+    learned: (String, usize, usize),
+    max_servers: usize,
+    default_port: Option<u16>,
+    /// Messages on the bound socket whose topic names no `ip:port`, or beyond --max-servers.
+    unknown_topics: u64,
+}
+
+impl State {
+    /// The server a topic names (`kv@<ip:port>@<model>`), added on first sight.
+    fn server_of_topic(&mut self, topic: &str) -> Option<usize> {
+        let named = topic.strip_prefix("kv@")?.split('@').next()?;
+        let address = match (named.parse::<std::net::IpAddr>(), self.default_port) {
+            (Ok(std::net::IpAddr::V6(ip)), Some(port)) => format!("[{ip}]:{port}"),
+            (Ok(ip), Some(port)) => format!("{ip}:{port}"),
+            _ => named.to_string(),
+        };
+        if !prefixroute_core::config::is_ip_port(&address) {
+            return None;
+        }
+        let address = address.as_str();
+        if let Some(i) = self.addresses.iter().position(|a| a == address) {
+            return Some(i);
+        }
+        if self.addresses.len() >= self.max_servers {
+            return None;
+        }
+        let (model, block_size, capacity) = &self.learned;
+        let i = self
+            .feed
+            .add_server(address, ServerTruth::new(model, *block_size, *capacity));
+        self.addresses.push(address.to_string());
+        self.wire.push(Wire::default());
+        eprintln!("kv-events: {address}: first events on the bound socket");
+        Some(i)
+    }
 }
 
 type Shared = Arc<Mutex<State>>;
@@ -101,6 +144,9 @@ pub fn run(args: Args) -> Result<()> {
     if args.block_size == 0 {
         bail!("--block-size must be at least 1");
     }
+    if publishers.is_empty() && args.bind.is_none() {
+        bail!("give --publisher IP:PORT=tcp://HOST:PORT for each server, or --bind tcp://IP:PORT");
+    }
     let mut feed = Feed::new(args.max_log);
     for (address, _) in &publishers {
         feed.add_server(
@@ -112,6 +158,10 @@ pub fn run(args: Args) -> Result<()> {
         feed,
         addresses: publishers.iter().map(|(a, _)| a.clone()).collect(),
         wire: vec![Wire::default(); publishers.len()],
+        learned: (args.model.clone(), args.block_size, args.capacity_blocks),
+        max_servers: args.max_servers.max(publishers.len()),
+        default_port: args.default_port,
+        unknown_topics: 0,
     }));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -124,6 +174,16 @@ pub fn run(args: Args) -> Result<()> {
         let local = listener.local_addr()?;
         for (server, (address, endpoint)) in publishers.into_iter().enumerate() {
             tokio::spawn(subscribe(Arc::clone(&state), server, address, endpoint));
+        }
+        if let Some(bind) = &args.bind {
+            let mut socket = SubSocket::new();
+            let bound = socket
+                .bind(bind)
+                .await
+                .with_context(|| format!("--bind {bind}: cannot bind"))?;
+            socket.subscribe("").await.context("cannot subscribe")?;
+            eprintln!("kv-events: publishers may connect to {bound}");
+            tokio::spawn(receive_bound(Arc::clone(&state), socket));
         }
         eprintln!("kv-events relay listening on http://{local}");
         loop {
@@ -196,6 +256,35 @@ async fn subscribe(state: Shared, server: usize, address: String, endpoint: Stri
     }
 }
 
+/// The bound socket: every connected publisher's messages, each server known by its topic. A
+/// publisher that restarts starts its sequence over, which its truth treats as a gap.
+async fn receive_bound(state: Shared, mut socket: SubSocket) {
+    loop {
+        match socket.recv().await {
+            Ok(message) => {
+                let frames: Vec<&[u8]> = message.iter().map(|b| b.as_ref()).collect();
+                let mut s = lock(&state);
+                let decoded = Message::decode(&frames);
+                let Ok((message, rejected)) = decoded else {
+                    s.unknown_topics += 1;
+                    continue;
+                };
+                match s.server_of_topic(&message.topic) {
+                    Some(server) => {
+                        s.wire[server].rejected_events += rejected.len() as u64;
+                        s.feed.apply(server, &message);
+                    }
+                    None => s.unknown_topics += 1,
+                }
+            }
+            Err(err) => {
+                eprintln!("kv-events: bound socket: receive failed: {err}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 fn query_u64(query: &str, key: &str) -> Option<u64> {
     query
         .split('&')
@@ -259,7 +348,11 @@ async fn handle(
                     })
                 })
                 .collect();
-            let body = json!({"version": s.feed.version(), "servers": servers});
+            let body = json!({
+                "version": s.feed.version(),
+                "unknown_topics": s.unknown_topics,
+                "servers": servers,
+            });
             reply(
                 StatusCode::OK,
                 "application/json",

@@ -20,12 +20,33 @@ pub async fn bind(endpoint: &str) -> Result<(PubSocket, String)> {
     Ok((socket, bound.to_string()))
 }
 
-/// Publishes until the replica (the channel's sender) goes away.
+/// Where the PUB socket goes: bound here (subscribers connect), or connected to a relay that
+/// binds (`prefixroute kv-events --bind`, vLLM's `endpoint: tcp://RELAY:PORT`).
+pub enum Publisher {
+    Bound(PubSocket),
+    ConnectTo(String),
+}
+
+/// Publishes until the replica (the channel's sender) goes away. A publisher that connects
+/// waits for its relay first; the events of the meantime wait in the channel.
 pub async fn publish(
-    mut socket: PubSocket,
+    publisher: Publisher,
     topic: String,
     mut events: UnboundedReceiver<Vec<Event>>,
 ) {
+    let mut socket = match publisher {
+        Publisher::Bound(socket) => socket,
+        Publisher::ConnectTo(endpoint) => {
+            let mut socket = PubSocket::new();
+            while let Err(err) = socket.connect(&endpoint).await {
+                eprintln!(
+                    "fake-server: cannot connect to {endpoint} for KV events: {err}; retrying"
+                );
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            socket
+        }
+    };
     let mut seq: u64 = 0;
     while let Some(first) = events.recv().await {
         let mut batch = first;
