@@ -122,7 +122,7 @@ async fn serve(args: Args) -> Result<()> {
     let publisher = match (&args.kv_events, &args.kv_events_to) {
         (Some(endpoint), _) => {
             let (socket, bound) = kv_events::bind(endpoint).await?;
-            Some((kv_events::Publisher::Bound(socket), format!("{bound}")))
+            Some((kv_events::Publisher::Bound(socket), bound))
         }
         (None, Some(relay)) => Some((
             kv_events::Publisher::ConnectTo(relay.clone()),
