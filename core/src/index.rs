@@ -83,6 +83,13 @@ impl PrefixIndex {
             .is_some_and(|e| e.contains(hash))
     }
 
+    /// `endpoint` no longer holds `hash` (its server reported the eviction).
+    pub fn remove(&mut self, endpoint: usize, hash: u64) {
+        if let Some(e) = self.endpoints.get_mut(endpoint) {
+            e.remove(hash);
+        }
+    }
+
     /// Believed blocks of `endpoint`, most recently recorded first (for visualisations).
     pub fn blocks(&self, endpoint: usize) -> impl Iterator<Item = u64> + '_ {
         self.endpoints

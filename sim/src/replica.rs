@@ -139,7 +139,14 @@ impl BlockCache {
                 len: i - first,
             });
         }
-        log.extend(evicted.into_iter().map(CacheChange::Evicted));
+        // Net changes only: a block of this chain can be the LRU victim while the chain's tail
+        // goes in and come back with its head; it was held before and is held now.
+        log.extend(
+            evicted
+                .into_iter()
+                .filter(|h| !self.blocks.contains(h))
+                .map(CacheChange::Evicted),
+        );
         cached_tokens
     }
 
@@ -198,6 +205,9 @@ pub struct ReplicaSim {
     timing: ReplicaTiming,
     lane_free_at: Vec<f64>,
     in_flight: VecDeque<InFlight>,
+    /// What the cache did, per prompt index, when the replica publishes its KV events
+    /// ([`ReplicaSim::publish_changes`]).
+    changes: Option<Vec<(usize, CacheChange)>>,
 }
 
 impl ReplicaSim {
@@ -207,7 +217,21 @@ impl ReplicaSim {
             timing,
             lane_free_at: vec![0.0; timing.lanes.max(1)],
             in_flight: VecDeque::new(),
+            changes: None,
         }
+    }
+
+    /// Keeps what the cache does from now on, as a server publishing KV events would.
+    pub fn publish_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The cache's changes since the last call: `(prompt index, change)`.
+    pub fn take_changes(&mut self) -> Vec<(usize, CacheChange)> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     pub fn timing(&self) -> ReplicaTiming {
@@ -293,9 +317,14 @@ impl ReplicaSim {
         let queue_at_arrival = self.waiting(now_ms);
         let mut prompt_tokens = 0;
         let mut cached_tokens = 0;
-        for &(chain, tokens) in prompts {
+        let mut scratch = Vec::new();
+        for (i, &(chain, tokens)) in prompts.iter().enumerate() {
             prompt_tokens += tokens;
-            cached_tokens += self.cache.serve(chain, tokens);
+            let log = self.changes.as_ref().map(|_| &mut scratch);
+            cached_tokens += self.cache.serve_logged(chain, tokens, log);
+            if let Some(changes) = self.changes.as_mut() {
+                changes.extend(scratch.drain(..).map(|c| (i, c)));
+            }
         }
         let uncached = prompt_tokens.saturating_sub(cached_tokens);
         let lane = (0..self.lane_free_at.len())
@@ -385,6 +414,27 @@ mod tests {
             plain.contains(6) && !plain.contains(3),
             "logging changes nothing"
         );
+    }
+
+    #[test]
+    fn a_block_evicted_and_stored_again_within_one_serve_is_not_reported_removed() {
+        // Capacity 3: [1, 2, 3] held, 1 least recent. Serving [1, 2, 3, 4] inserts 4 first
+        // (tail first), which evicts 1, and then 1 again: net, only 4 is new and 2... let the
+        // cache say what went.
+        let mut cache = BlockCache::new(3, 1);
+        cache.serve(&[1, 2, 3], 4);
+        let mut log = Vec::new();
+        cache.serve_logged(&[1, 2, 3, 4], 5, Some(&mut log));
+        for change in &log {
+            if let CacheChange::Evicted(h) = change {
+                assert!(!cache.contains(*h), "reported evicted but held: {h}");
+            }
+        }
+        for h in cache.blocks() {
+            let was_held = [1, 2, 3].contains(&h);
+            let stored = log.iter().any(|c| matches!(c, CacheChange::Stored { first, len } if (*first..first + len).contains(&((h - 1) as usize))));
+            assert!(was_held || stored, "{h} is held but was never reported");
+        }
     }
 
     #[test]

@@ -21,10 +21,12 @@ use crate::pd::{decode_stalls, PdConfig, PdStats, PrefillPool, RemotePrefill, Sp
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
+use prefixroute_core::config::IndexMode;
 use prefixroute_core::hashing::{hash_request, BlockHashes};
 use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
 use prefixroute_core::request::{parse_value, RequestError};
 use prefixroute_core::router::{Decision, EndpointLoad, Router, RouterConfig};
+use prefixroute_core::PrefixStore;
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SimError {
@@ -57,6 +59,11 @@ pub struct SimConfig {
     pub router: RouterConfig,
     /// Prefill/decode split: `replicas` are then the decode replicas (see [`crate::pd`]).
     pub pd: Option<PdConfig>,
+    /// `precise`: the replicas publish their KV events and the router's belief follows them
+    /// (every block a replica stores is recorded, every eviction removed, at once); the
+    /// router's own records of a request stay until the server's events say otherwise.
+    #[serde(default)]
+    pub index: IndexMode,
 }
 
 impl Default for SimConfig {
@@ -68,6 +75,7 @@ impl Default for SimConfig {
             timing: ReplicaTiming::default(),
             router: RouterConfig::default(),
             pd: None,
+            index: IndexMode::Approximate,
         }
     }
 }
@@ -227,6 +235,8 @@ pub struct Simulation {
     pd: Option<PdConfig>,
     /// The prefill replicas of a split fleet that has any.
     prefill_pool: Option<PrefillPool>,
+    /// The belief follows the replicas' KV events (`index: precise`).
+    precise: bool,
 }
 
 impl Simulation {
@@ -243,7 +253,7 @@ impl Simulation {
         // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in the
         // router's block size; the belief is bounded by it from the first request on (never
         // above the configured bound, as in the plugin).
-        if config.capacity_reported {
+        if config.capacity_reported && config.index == IndexMode::Approximate {
             for e in 0..config.replicas {
                 router.set_capacity(
                     e,
@@ -265,17 +275,22 @@ impl Simulation {
             due: BinaryHeap::new(),
             seq: 0,
             pd: config.pd,
+            precise: config.index == IndexMode::Precise,
             prefill_pool: config
                 .pd
                 .filter(|pd| pd.prefill_replicas > 0)
                 .map(|pd| PrefillPool::new(pd.prefill_replicas, config.timing)),
             replicas: (0..config.replicas)
                 .map(|_| {
-                    ReplicaSim::new(
+                    let mut r = ReplicaSim::new(
                         config.cache_blocks,
                         config.router.hash.block_size,
                         config.timing,
-                    )
+                    );
+                    if config.index == IndexMode::Precise {
+                        r.publish_changes();
+                    }
+                    r
                 })
                 .collect(),
             steps: Vec::new(),
@@ -315,7 +330,8 @@ impl Simulation {
     /// query counters since the last check against what the router predicted for what it sent
     /// there; the belief's capacity follows the calibration.
     fn calibrate(&mut self, now_ms: f64) {
-        if now_ms < self.next_check_ms || !self.capacity_reported {
+        // A precise belief is the replicas' own truth: its size is theirs, nothing to calibrate.
+        if now_ms < self.next_check_ms || !self.capacity_reported || self.precise {
             return;
         }
         self.next_check_ms = now_ms + SCRAPE_INTERVAL_MS;
@@ -448,6 +464,23 @@ impl Simulation {
             None => self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens),
         };
         self.router.commit(&decision, &request.hashes);
+        if self.precise {
+            // The replica's KV events, applied to the belief as the relay would deliver them.
+            for (p, change) in self.replicas[endpoint].take_changes() {
+                match change {
+                    crate::replica::CacheChange::Stored { first, len } => {
+                        if let Some((chain, _)) = prompts.get(p) {
+                            self.router
+                                .store_mut()
+                                .record(endpoint, &chain[first..first + len]);
+                        }
+                    }
+                    crate::replica::CacheChange::Evicted(h) => {
+                        self.router.store_mut().remove(endpoint, h)
+                    }
+                }
+            }
+        }
         let (t, group) = (request.t, request.group.clone());
         let uncached = predicted.uncached_tokens as u64;
         self.ledger.sent(endpoint, &predicted);

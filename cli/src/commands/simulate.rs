@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use prefixroute_core::config::{Policy, Weights};
+use prefixroute_core::config::{IndexMode, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
 use prefixroute_sim::disagg::{self, fmt_bytes};
 use prefixroute_sim::pd::PdConfig;
@@ -57,8 +57,20 @@ pub struct Args {
     /// Print JSON reports instead of a table.
     #[arg(long)]
     json: bool,
+    /// The router's belief: `approximate` (what it routed) or `precise` (the replicas' KV
+    /// events, applied as they happen).
+    #[arg(long, default_value = "approximate", value_parser = parse_index)]
+    index: IndexMode,
     #[command(flatten)]
     split: SplitArgs,
+}
+
+fn parse_index(s: &str) -> Result<IndexMode, String> {
+    match s {
+        "approximate" => Ok(IndexMode::Approximate),
+        "precise" => Ok(IndexMode::Precise),
+        _ => Err("expected approximate or precise".into()),
+    }
 }
 
 /// Prefill/decode disaggregation: each policy runs on the split fleet and, for comparison, on
@@ -163,6 +175,7 @@ pub fn run(args: Args) -> Result<()> {
             prefill_overhead_ms: args.prefill_overhead_ms,
             decode_ms_per_token: args.decode_ms_per_token,
         },
+        index: args.index,
         ..SimConfig::default()
     };
     base.router.weights = args.weights;

@@ -218,6 +218,38 @@ impl BlockLru {
         }
     }
 
+    /// Drops `hash` (the server evicted it). The last node moves into its place, so the
+    /// nodes stay dense.
+    pub(crate) fn remove(&mut self, hash: u64) {
+        let Some(slot) = self.slot_of(hash) else {
+            return;
+        };
+        let node = self.slots[slot] as usize;
+        self.vacate(slot);
+        self.unlink(node);
+        let last = self.nodes.len() - 1;
+        if node != last {
+            // Re-point everything that names `last` at `node`.
+            let moved = self.nodes[last];
+            let end = self.end(last);
+            if let Some(s) = self.slot_of(moved.hash) {
+                self.slots[s] = node as u32;
+            }
+            self.nodes[node] = moved;
+            match moved.prev {
+                NIL => self.head = node as u32,
+                p => self.nodes[p as usize].next = node as u32,
+            }
+            match moved.next {
+                NIL => self.tail = node as u32,
+                n => self.nodes[n as usize].prev = node as u32,
+            }
+            self.set_end(node, end);
+        }
+        self.set_end(last, false);
+        self.nodes.pop();
+    }
+
     pub(crate) fn clear(&mut self) {
         *self = BlockLru::new(self.capacity);
     }
@@ -293,6 +325,7 @@ mod tests {
     enum Op {
         Touch(u64),
         Mark(u64),
+        Remove(u64),
         Resize(usize),
         Clear,
     }
@@ -302,6 +335,7 @@ mod tests {
         prop_oneof![
             8 => (0u64..40).prop_map(Op::Touch),
             2 => (0u64..40).prop_map(Op::Mark),
+            3 => (0u64..40).prop_map(Op::Remove),
             1 => (1usize..20).prop_map(Op::Resize),
             1 => Just(Op::Clear),
         ]
@@ -323,6 +357,10 @@ mod tests {
                         lru.resize(c);
                         model.capacity = c;
                         model.order.truncate(c);
+                    }
+                    Op::Remove(h) => {
+                        lru.remove(h);
+                        model.order.retain(|(k, _)| *k != h);
                     }
                     Op::Clear => { lru.clear(); model.order.clear(); }
                 }
