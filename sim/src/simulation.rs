@@ -573,7 +573,34 @@ impl Simulation {
     }
 }
 
+/// How far the router's belief was from the replicas' truth over a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BeliefCheck {
+    pub requests: usize,
+    /// Requests whose believed match on the chosen replica (in blocks the server could reuse)
+    /// was not what the replica reused.
+    pub wrong: usize,
+    /// Requests sent to a replica believed to hold some of their prefix that held none of it.
+    pub false_hits: usize,
+}
+
 impl Simulation {
+    /// The belief against the truth, request by request.
+    pub fn belief_check(&self) -> BeliefCheck {
+        let mut check = BeliefCheck {
+            requests: self.steps.len(),
+            ..BeliefCheck::default()
+        };
+        for s in &self.steps {
+            let bs = self.requests[s.index].hashes.block_size.max(1);
+            let reusable = s.served.prompt_tokens.saturating_sub(1) / bs;
+            let believed = s.decision.matched_blocks();
+            check.wrong += usize::from(believed.min(reusable) != s.served.cached_tokens / bs);
+            check.false_hits += usize::from(believed > 0 && s.served.cached_tokens == 0);
+        }
+        check
+    }
+
     /// Every decoding request's stall from the local prefills on its replica, and a split
     /// fleet's own numbers.
     fn decode_report(&self) -> (Vec<crate::pd::Stall>, Option<PdStats>) {

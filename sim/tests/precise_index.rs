@@ -33,27 +33,6 @@ fn run(index: IndexMode) -> Simulation {
     sim
 }
 
-/// Requests whose believed match on the chosen replica (in full blocks the server could
-/// reuse) differs from what the replica really reused.
-fn wrong_beliefs(sim: &Simulation) -> usize {
-    sim.steps()
-        .iter()
-        .filter(|s| {
-            let bs = sim.requests()[s.index].hashes.block_size;
-            let reusable = s.served.prompt_tokens.saturating_sub(1) / bs;
-            s.decision.matched_blocks().min(reusable) != s.served.cached_tokens / bs
-        })
-        .count()
-}
-
-/// Requests routed to a replica believed to hold some of their prefix that held none of it.
-fn false_hits(sim: &Simulation) -> usize {
-    sim.steps()
-        .iter()
-        .filter(|s| s.decision.matched_blocks() > 0 && s.served.cached_tokens == 0)
-        .count()
-}
-
 #[test]
 fn the_precise_belief_holds_every_block_the_replicas_hold_and_believes_no_evicted_prefix() {
     let precise = run(IndexMode::Precise);
@@ -65,17 +44,17 @@ fn the_precise_belief_holds_every_block_the_replicas_hold_and_believes_no_evicte
             );
         }
     }
-    assert_eq!(false_hits(&precise), 0);
+    assert_eq!(precise.belief_check().false_hits, 0);
     let approximate = run(IndexMode::Approximate);
     eprintln!(
         "wrong beliefs: precise {}, approximate {}; false hits approximate {}",
-        wrong_beliefs(&precise),
-        wrong_beliefs(&approximate),
-        false_hits(&approximate)
+        precise.belief_check().wrong,
+        approximate.belief_check().wrong,
+        approximate.belief_check().false_hits
     );
-    assert_eq!(wrong_beliefs(&precise), 0);
+    assert_eq!(precise.belief_check().wrong, 0);
     assert!(
-        wrong_beliefs(&approximate) > 0,
+        approximate.belief_check().wrong > 0,
         "on this trace the approximate belief is sometimes wrong"
     );
 }

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use prefixroute_core::config::Policy;
+use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_core::index::PrefixStore;
 use prefixroute_sim::simulation::{replica_names, SimConfig, Simulation, Step};
 use prefixroute_sim::summary::{max_over_mean, natural_key};
@@ -470,6 +470,30 @@ impl Demo {
         Ok(json!(rows))
     }
 
+    /// The selected policy on this trace twice, side by side: with the router's own belief
+    /// (`approximate`) and with the belief the replicas' KV events give (`precise`), each with
+    /// how often its belief was wrong about the replica it chose.
+    pub fn beliefs(&self) -> Result<Value, String> {
+        let mut rows = Vec::new();
+        for index in [IndexMode::Approximate, IndexMode::Precise] {
+            let config = SimConfig {
+                index,
+                ..self.config
+            };
+            let mut sim = Simulation::new(&self.trace, config).map_err(|e| e.to_string())?;
+            sim.run();
+            rows.push(json!({
+                "index": match index {
+                    IndexMode::Approximate => "approximate",
+                    IndexMode::Precise => "precise",
+                },
+                "report": sim.report(),
+                "check": sim.belief_check(),
+            }));
+        }
+        Ok(json!(rows))
+    }
+
     /// The trace as JSONL, for `prefixroute simulate trace.jsonl`.
     pub fn trace_jsonl(&self) -> String {
         to_jsonl(&self.trace)
@@ -551,6 +575,13 @@ impl WebDemo {
     pub fn compare(&self) -> Result<String, JsError> {
         self.inner
             .compare()
+            .map(|v| v.to_string())
+            .map_err(js_error)
+    }
+
+    pub fn beliefs(&self) -> Result<String, JsError> {
+        self.inner
+            .beliefs()
             .map(|v| v.to_string())
             .map_err(js_error)
     }
@@ -651,6 +682,37 @@ mod tests {
             simulate(d.trace(), *d.config()).unwrap(),
             "stepping in the demo is core's simulation"
         );
+    }
+
+    #[test]
+    fn the_two_beliefs_are_cores_two_simulations_and_the_precise_one_is_never_wrong() {
+        let mut sim = SimConfig {
+            cache_blocks: 20,
+            capacity_reported: false,
+            ..SimConfig::default()
+        };
+        sim.router.policy = Policy::Latency;
+        let d = Demo::new(Settings {
+            trace: TraceSpec::default(),
+            sim,
+        })
+        .unwrap();
+        let rows = d.beliefs().unwrap();
+        assert_eq!(rows[0]["index"], "approximate");
+        assert_eq!(rows[1]["index"], "precise");
+        assert_eq!(rows[1]["check"]["wrong"], 0);
+        assert!(
+            rows[0]["check"]["wrong"].as_u64() > Some(0),
+            "{}",
+            rows[0]["check"]
+        );
+        let precise: prefixroute_sim::simulation::SimReport =
+            serde_json::from_value(rows[1]["report"].clone()).unwrap();
+        let config = SimConfig {
+            index: IndexMode::Precise,
+            ..*d.config()
+        };
+        assert_eq!(precise, simulate(d.trace(), config).unwrap());
     }
 
     #[test]

@@ -259,6 +259,28 @@ describe('web demo', { concurrency: false }, () => {
     assert.equal(points.trim().split(/\s+/).length, 64);
   });
 
+  test('shows the approximate and the precise belief side by side', async () => {
+    await page.waitForSelector('#beliefs tr[data-index="precise"]');
+    assert.equal(await page.locator('#beliefs tbody tr').count(), 2);
+    const wrong = async (index) => Number(await page.getAttribute(`#beliefs tr[data-index="${index}"] [data-metric="wrong"]`, 'data-value'));
+    assert.equal(await wrong('precise'), 0, 'the replicas\' own events are never wrong');
+    // Small caches whose size the replicas keep to themselves: the router's own belief
+    // assumes a large cache and keeps believing what they evicted; the events still tell
+    // the truth.
+    await setField('cache_blocks', 20);
+    await page.uncheck('#capacity_reported');
+    await page.waitForFunction(() => Number(document.querySelector('#beliefs tr[data-index="approximate"] [data-metric="wrong"]')?.dataset.value) > 0);
+    assert.equal(await wrong('precise'), 0);
+    await page.click('#defaults');
+    await page.waitForFunction(() => document.querySelector('#capacity_reported').checked);
+    await page.waitForSelector('#compare tr[data-policy="latency"] [data-metric="hit_rate"]');
+    await page.waitForSelector('#beliefs tr[data-index="approximate"]');
+    // The approximate row is the run the rest of the page shows (the same policy and trace).
+    const approximate = Number(await page.getAttribute('#beliefs tr[data-index="approximate"] [data-metric="hit_rate"]', 'data-value'));
+    const latency = Number(await page.getAttribute('#compare tr[data-policy="latency"] [data-metric="hit_rate"]', 'data-value'));
+    assert.equal(approximate, latency);
+  });
+
   test('saves a 1280x800 screenshot', async () => {
     // A mid-run state tells more than the end: reset, then route 40 requests.
     await page.click('#reset');

@@ -118,6 +118,7 @@ function fillForm(d) {
   field('seed').value = trace.seed;
   field('replicas').value = sim.replicas;
   field('cache_blocks').value = sim.cache_blocks;
+  field('capacity_reported').checked = sim.capacity_reported;
   field('block_size').value = sim.router.hash.block_size;
   field('slots').value = sim.timing.lanes;
   field('policy').value = sim.router.policy;
@@ -153,6 +154,7 @@ function readForm() {
   sim.router.seed = int('seed');
   sim.replicas = int('replicas');
   sim.cache_blocks = int('cache_blocks');
+  sim.capacity_reported = field('capacity_reported').checked;
   sim.router.hash.block_size = int('block_size');
   sim.timing.lanes = int('slots');
   sim.router.policy = field('policy').value;
@@ -218,6 +220,7 @@ function rebuild({ onlyIfChanged = false } = {}) {
  * selected policy reuses it).
  */
 function scheduleCompare(demo, settings) {
+  scheduleBeliefs(demo, settings);
   const key = JSON.stringify({ ...settings, sim: { ...settings.sim, router: { ...settings.sim.router, policy: null } } });
   if (key === app.compareKey && app.compare) return;
   app.compareKey = key;
@@ -806,6 +809,45 @@ function renderLegend() {
 
 // ---------------------------------------------------------------------------------------------
 // Comparison table and chart
+
+/** The selected policy with both beliefs; recomputed whenever the settings change. */
+function scheduleBeliefs(demo, settings) {
+  const key = JSON.stringify(settings);
+  if (key === app.beliefsKey && app.beliefs) return;
+  app.beliefsKey = key;
+  app.beliefs = null;
+  renderBeliefs();
+  setTimeout(() => {
+    if (demo !== app.demo) return;
+    try {
+      app.beliefs = JSON.parse(demo.beliefs());
+    } catch (err) {
+      app.beliefs = [];
+      showError(String(err.message ?? err));
+    }
+    renderBeliefs();
+  }, 40);
+}
+
+function renderBeliefs() {
+  const body = $('#beliefs').tBodies[0];
+  body.replaceChildren();
+  if (!app.beliefs) {
+    body.append(h('tr', {}, h('td', { colspan: '5', class: 'muted' }, 'Running both beliefs on this trace…')));
+    return;
+  }
+  for (const row of app.beliefs) {
+    const r = row.report;
+    const c = row.check;
+    body.append(h('tr', { dataset: { index: row.index } },
+      h('th', { scope: 'row' }, row.index),
+      h('td', { dataset: { metric: 'hit_rate', value: String(r.hit_rate) } }, pct(r.hit_rate)),
+      h('td', { class: 'num' }, ms(r.ttft_p95_ms)),
+      h('td', { class: 'num', dataset: { metric: 'wrong', value: String(c.wrong) } }, `${c.wrong} of ${c.requests}`),
+      h('td', { class: 'num', dataset: { metric: 'false_hits', value: String(c.false_hits) } }, String(c.false_hits)),
+    ));
+  }
+}
 
 function renderCompare() {
   const body = $('#compare').tBodies[0];
