@@ -13,7 +13,7 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--requests N] [--out FILE.json]
+usage: bench/gateways.py [--requests N] [--kv-interval-ms MS] [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
 
@@ -97,6 +97,9 @@ def replica(work, name):
     return name, port, events
 
 
+KV_INTERVAL_MS = "200"
+
+
 def run(work, gateways, index, trace):
     fleet = [replica(work, f"replica-{i}") for i in range(REPLICAS)]
     relay = free_port()
@@ -123,7 +126,7 @@ def run(work, gateways, index, trace):
                 "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", "latency",
                 "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN]
         if index == "precise":
-            argv += ["--kv-relay", f"127.0.0.1:{relay}"]
+            argv += ["--kv-relay", f"127.0.0.1:{relay}", "--kv-interval-ms", KV_INTERVAL_MS]
         for name, rport, _ in fleet:
             argv += ["--endpoint", f"{name}=http://127.0.0.1:{rport}"]
         spawn(argv, work / f"envoy-{g}.log")
@@ -154,8 +157,13 @@ def run(work, gateways, index, trace):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--kv-interval-ms", default="200",
+                    help="how often each gateway's plugin fetches the relay's feed")
+    ap.add_argument("--only", choices=["approximate", "precise"])
     ap.add_argument("--out")
     args = ap.parse_args()
+    global KV_INTERVAL_MS
+    KV_INTERVAL_MS = args.kv_interval_ms
     for path in (CLI, WASM, ENVOY):
         if not path.exists():
             sys.exit(f"gateways: {path} is missing (build first: ./test.sh or bench/setup.sh)")
@@ -165,21 +173,22 @@ def main():
                    check=True, capture_output=True)
     rows = []
     try:
-        for index in ("approximate", "precise"):
+        for index in [args.only] if args.only else ("approximate", "precise"):
             for gateways in (1, 2):
                 rows.append(run(work, gateways, index, trace))
                 print(f"  {gateways} gateway(s), {index}: {rows[-1]}", file=sys.stderr)
     finally:
         stop_all()
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
-          f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy latency\n")
+          f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy latency, "
+          f"feed fetched every {KV_INTERVAL_MS} ms\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
           f"  groups on one")
     for r in rows:
         print(f"{r['index']:<12} {r['gateways']:>8} {r['errors']:>6} {100 * r['hit_rate']:>8.1f}%"
               f" {r['latency_p50_ms']:>6.1f} ms {r['latency_p95_ms']:>6.1f} ms  {r['groups_on_one']}")
     by = {(r["index"], r["gateways"]): r["hit_rate"] for r in rows}
-    for index in ("approximate", "precise"):
+    for index in [args.only] if args.only else ("approximate", "precise"):
         drop = 100 * (by[(index, 1)] - by[(index, 2)])
         print(f"{index}: two gateways lose {drop:.1f} points of hit rate against one")
     if args.out:
