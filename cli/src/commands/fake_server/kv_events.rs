@@ -44,6 +44,9 @@ pub async fn publish(
                 );
                 tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             }
+            // The relay's subscription arrives just after the connection; a PUB socket drops
+            // what it sends before (ZMQ's slow joiner), so give it a moment.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             socket
         }
     };
