@@ -13,7 +13,8 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--requests N] [--kv-interval-ms MS] [--only precise|approximate] [--out FILE.json]
+usage: bench/gateways.py [--requests N] [--policy P] [--kv-interval-ms MS]
+                        [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
 
@@ -98,6 +99,7 @@ def replica(work, name):
 
 
 KV_INTERVAL_MS = "200"
+POLICY = "latency"
 
 
 def run(work, gateways, index, trace):
@@ -123,7 +125,7 @@ def run(work, gateways, index, trace):
     for g in range(gateways):
         port, admin = free_port(), free_port()
         argv = [CLI, "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
-                "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", "latency",
+                "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", POLICY,
                 "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN]
         if index == "precise":
             argv += ["--kv-relay", f"127.0.0.1:{relay}", "--kv-interval-ms", KV_INTERVAL_MS]
@@ -160,10 +162,12 @@ def main():
     ap.add_argument("--kv-interval-ms", default="200",
                     help="how often each gateway's plugin fetches the relay's feed")
     ap.add_argument("--only", choices=["approximate", "precise"])
+    ap.add_argument("--policy", default="latency")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS
+    global KV_INTERVAL_MS, POLICY
     KV_INTERVAL_MS = args.kv_interval_ms
+    POLICY = args.policy
     for path in (CLI, WASM, ENVOY):
         if not path.exists():
             sys.exit(f"gateways: {path} is missing (build first: ./test.sh or bench/setup.sh)")
@@ -180,7 +184,7 @@ def main():
     finally:
         stop_all()
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
-          f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy latency, "
+          f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
           f"feed fetched every {KV_INTERVAL_MS} ms\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
           f"  groups on one")

@@ -255,6 +255,9 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     cold_clock: u64,
     /// How groups grow, learned from every committed request (for `latency`'s room price).
     growth: GroupGrowth,
+    /// The request's first block hash while it is picked: exact ties go where it hashes
+    /// highest (see [`rendezvous`]).
+    tie_key: Option<u64>,
 }
 
 impl Router<PrefixIndex> {
@@ -275,6 +278,7 @@ impl<S: PrefixStore> Router<S> {
             last_cold: vec![None; endpoints],
             cold_clock: 0,
             growth: GroupGrowth::default(),
+            tie_key: None,
         }
     }
 
@@ -344,7 +348,9 @@ impl<S: PrefixStore> Router<S> {
         let cold = !(0..n).any(|e| filter.eligible[e] && matches.blocks[e].iter().any(|&b| b > 0));
         let continuation = (0..n).any(|e| filter.eligible[e] && matches.continues[e]);
         let scores = self.score(hashes, &matches, &loads, &filter, cold);
+        self.tie_key = hashes.chains.iter().find_map(|c| c.first().copied());
         let (endpoint, tie) = self.choose(&scores, &filter.eligible);
+        self.tie_key = None;
         let (runner_up, next_best) = match policy {
             Policy::RoundRobin | Policy::Random => {
                 let rotation = (1..n)
@@ -605,7 +611,15 @@ impl<S: PrefixStore> Router<S> {
         match tied.len() {
             0 => (0, false),
             1 => (tied[0], false),
-            k => (tied[draw_index(&mut self.rng, k)], true),
+            // `latency` agrees with every other router on the same view (rendezvous on the
+            // request's first block); the baselines keep their seeded draw.
+            k => match self
+                .tie_key
+                .filter(|_| self.config.policy == Policy::Latency)
+            {
+                Some(key) => (rendezvous(&tied, key), true),
+                None => (tied[draw_index(&mut self.rng, k)], true),
+            },
         }
     }
 }
@@ -640,11 +654,27 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
 
 /// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
 /// proxy-wasm plugin) make exactly the same draws as native builds.
+/// Among tied endpoints, the one where `key` (a request's first block hash) hashes highest:
+/// rendezvous hashing. Every router with the same view of the fleet (Envoy's workers, several
+/// gateways) sends the same new prefix to the same endpoint without talking, and one prefix's
+/// ties always fall the same way while different prefixes spread evenly.
+pub fn rendezvous(tied: &[usize], key: u64) -> usize {
+    let weight = |e: usize| {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&key.to_le_bytes());
+        bytes[8..].copy_from_slice(&(e as u64).to_le_bytes());
+        xxhash_rust::xxh64::xxh64(&bytes, 0x7469_6573)
+    };
+    tied.iter()
+        .copied()
+        .max_by_key(|&e| (weight(e), std::cmp::Reverse(e)))
+        .unwrap_or(0)
+}
+
 pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
     rng.gen_range(0..n as u64) as usize
 }
 
-/// The best eligible endpoint other than `chosen`, by the policy's score (first on ties).
 /// The eligible endpoints other than `chosen`, best score first (ties: lower index first).
 pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Vec<usize> {
     let mut ranked: Vec<usize> = (0..scores.len())
@@ -688,6 +718,54 @@ mod tests {
 
     fn idle(n: usize) -> Vec<EndpointLoad> {
         vec![EndpointLoad::measured(0.0, 0.0); n]
+    }
+
+    #[test]
+    fn routers_with_different_seeds_place_a_new_prefix_on_the_same_endpoint_under_latency() {
+        // Two gateways (own seeds, own draws) with the same view of an idle fleet: every new
+        // prefix is an exact tie, and both break it the same way; different prefixes spread.
+        let mut chosen = std::collections::BTreeMap::new();
+        for seed in [1, 99] {
+            let mut r = Router::new(
+                RouterConfig {
+                    policy: Policy::Latency,
+                    seed,
+                    ..RouterConfig::default()
+                },
+                4,
+            );
+            for p in 0..40 {
+                let h = hashes(&format!("tenant {p} has its own system prompt"));
+                let d = r.pick(&h, &idle(4)).unwrap();
+                assert!(d.tie, "an idle fleet ties");
+                chosen.entry(p).or_insert_with(Vec::new).push(d.endpoint);
+            }
+        }
+        assert!(chosen.values().all(|e| e[0] == e[1]), "{chosen:?}");
+        let used: std::collections::BTreeSet<usize> = chosen.values().map(|e| e[0]).collect();
+        assert_eq!(used.len(), 4, "prefixes spread over every endpoint");
+        // The baselines keep their seeded draw.
+        let draws: Vec<usize> = [1, 99]
+            .iter()
+            .map(|&seed| {
+                let mut r = Router::new(
+                    RouterConfig {
+                        policy: Policy::PrefixOnly,
+                        seed,
+                        ..RouterConfig::default()
+                    },
+                    4,
+                );
+                (0..20)
+                    .map(|p| {
+                        r.pick(&hashes(&format!("t{p}")), &idle(4))
+                            .unwrap()
+                            .endpoint
+                    })
+                    .fold(0, |acc, e| acc * 4 + e)
+            })
+            .collect();
+        assert_ne!(draws[0], draws[1]);
     }
 
     #[test]
