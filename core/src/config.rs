@@ -430,6 +430,29 @@ pub enum IndexMode {
     Precise,
 }
 
+impl IndexMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            IndexMode::Approximate => "approximate",
+            IndexMode::Precise => "precise",
+        }
+    }
+}
+
+impl FromStr for IndexMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "approximate" => Ok(IndexMode::Approximate),
+            "precise" => Ok(IndexMode::Precise),
+            _ => Err(format!(
+                "unknown index {s:?} (expected approximate or precise)"
+            )),
+        }
+    }
+}
+
 /// Where `index: precise` gets the servers' truth: the relay's feed, fetched by callouts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -28,6 +28,33 @@ pub fn flush(scheduler: &mut Scheduler<HostShared>, metrics: &RefCell<Metrics>) 
     }
 }
 
+/// Headers the scheduler lends out, owned, so the callout is sent without its borrow.
+fn owned(headers: Vec<(&str, &str)>) -> Vec<(String, String)> {
+    headers
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Sends a bodiless callout (a GET) through `cluster`; the token, or the host's refusal.
+fn send(
+    cluster: &str,
+    headers: &[(String, String)],
+    timeout_ms: u64,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let headers: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    proxy_wasm::hostcalls::dispatch_http_call(
+        cluster,
+        headers,
+        None,
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+}
+
 pub struct PluginRoot {
     scheduler: Option<SharedScheduler>,
     metrics: Rc<RefCell<Metrics>>,
@@ -63,24 +90,13 @@ impl PluginRoot {
             let Some(d) = e.config().discovery.as_ref() else {
                 return;
             };
-            let headers: Vec<(String, String)> = e
-                .discovery_headers()
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            (d.cluster.clone(), d.timeout_ms, headers)
+            (
+                d.cluster.clone(),
+                d.timeout_ms,
+                owned(e.discovery_headers()),
+            )
         };
-        let headers: Vec<(&str, &str)> = headers
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        let sent = proxy_wasm::hostcalls::dispatch_http_call(
-            &cluster,
-            headers,
-            None,
-            vec![],
-            Duration::from_millis(timeout),
-        );
+        let sent = send(&cluster, &headers, timeout);
         let Ok(mut e) = scheduler.try_borrow_mut() else {
             return;
         };
@@ -110,19 +126,13 @@ impl PluginRoot {
             let kv = &e.config().kv_events;
             (kv.cluster.clone(), kv.timeout_ms, path)
         };
-        let headers = vec![
+        let headers = owned(vec![
             (":method", "GET"),
             (":path", path.as_str()),
             (":authority", "prefixroute-kv"),
             (":scheme", "http"),
-        ];
-        let sent = proxy_wasm::hostcalls::dispatch_http_call(
-            &cluster,
-            headers,
-            None,
-            vec![],
-            Duration::from_millis(timeout),
-        );
+        ]);
+        let sent = send(&cluster, &headers, timeout);
         let Ok(mut e) = scheduler.try_borrow_mut() else {
             return;
         };
@@ -194,30 +204,13 @@ impl PluginRoot {
             let due = e.tick(now);
             let jobs: Vec<(usize, Vec<(String, String)>)> = due
                 .into_iter()
-                .map(|ep| {
-                    let headers = e
-                        .scrape_headers(ep)
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect();
-                    (ep, headers)
-                })
+                .map(|ep| (ep, owned(e.scrape_headers(ep))))
                 .collect();
             let scrape = &e.config().scrape;
             (scrape.cluster.clone(), scrape.timeout_ms, jobs)
         };
         for (endpoint, headers) in jobs {
-            let headers: Vec<(&str, &str)> = headers
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            let sent = proxy_wasm::hostcalls::dispatch_http_call(
-                &cluster,
-                headers,
-                None,
-                vec![],
-                Duration::from_millis(timeout),
-            );
+            let sent = send(&cluster, &headers, timeout);
             let Ok(mut e) = scheduler.try_borrow_mut() else {
                 continue;
             };

@@ -722,19 +722,36 @@ impl<H: SharedData> Scheduler<H> {
             }
             self.pool.awaiting = None;
         }
-        let outcome = cas_update(
-            self.host(),
+        self.claim_lease(
             &key,
             Membership::decode,
             Membership::encode,
-            |mut record: Membership| {
-                (record.next_discovery_ms <= now_ms).then(|| {
-                    record.next_discovery_ms = now_ms + interval;
-                    record
-                })
-            },
-        );
-        self.settle(outcome).is_some()
+            |m| &mut m.next_discovery_ms,
+            now_ms,
+            interval,
+        )
+        .is_some()
+    }
+
+    /// A lease kept in a shared record: the instance whose CAS moves `next(record)` from due
+    /// (at or before `now_ms`) to one interval later owns the next callout, so one instance
+    /// across all workers sends it per interval. Returns the record as claimed.
+    fn claim_lease<T: Default>(
+        &mut self,
+        key: &str,
+        decode: fn(&[u8]) -> Option<T>,
+        encode: fn(&T) -> Vec<u8>,
+        next: fn(&mut T) -> &mut u64,
+        now_ms: u64,
+        interval_ms: u64,
+    ) -> Option<T> {
+        let outcome = cas_update(self.host(), key, decode, encode, |mut record: T| {
+            (*next(&mut record) <= now_ms).then(|| {
+                *next(&mut record) = now_ms + interval_ms;
+                record
+            })
+        });
+        self.settle(outcome)
     }
 
     /// Headers of the discovery callout (Envoy's admin interface answers any authority).
@@ -867,21 +884,16 @@ impl<H: SharedData> Scheduler<H> {
             }
             self.feed_awaiting = None;
         }
-        let mut since = 0;
-        let outcome = cas_update(
-            self.host(),
-            FEED_KEY,
-            FeedCursor::decode,
-            FeedCursor::encode,
-            |mut cursor: FeedCursor| {
-                (cursor.next_fetch_ms <= now_ms).then(|| {
-                    since = cursor.version;
-                    cursor.next_fetch_ms = now_ms + interval;
-                    cursor
-                })
-            },
-        );
-        self.settle(outcome)?;
+        let since = self
+            .claim_lease(
+                FEED_KEY,
+                FeedCursor::decode,
+                FeedCursor::encode,
+                |c| &mut c.next_fetch_ms,
+                now_ms,
+                interval,
+            )?
+            .version;
         self.feed_awaiting = Some((0, now_ms, since));
         Some(format!(
             "{}?since={since}&limit={}",

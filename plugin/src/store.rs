@@ -315,40 +315,21 @@ impl<H: SharedData> SharedIndex<H> {
         stored: &[u64],
         removed: &[u64],
     ) {
-        let (Some(id), Some(key)) = (self.ids.id(endpoint), self.state_keys.get(endpoint)) else {
+        let Some(id) = self.ids.id(endpoint) else {
             return;
         };
         let n = stored.len() as u64;
-        let key = key.clone();
-        let outcome = read_modify_write(
-            CAS_ATTEMPTS,
-            |stale| {
-                self.load_state(endpoint, stale).map(|slot| Versioned {
-                    value: slot.value,
-                    cas: slot.cas.unwrap_or(0),
-                })
-            },
-            |mut next: EndpointState| {
-                if cleared || !live {
-                    next.truth_epoch = next.clock.saturating_add(1);
-                }
-                next.precise = live;
-                next.clock = next.clock.saturating_add(n);
-                Some(next)
-            },
-            |next, cas| self.host.set(&key, &next.encode(), cas),
-        );
-        let Some(next) = self.cache.borrow_mut().errors.settle(outcome) else {
+        let clock = self.update_state(endpoint, |mut next: EndpointState| {
+            if cleared || !live {
+                next.truth_epoch = next.clock.saturating_add(1);
+            }
+            next.precise = live;
+            next.clock = next.clock.saturating_add(n);
+            Some(next)
+        });
+        let Some(clock) = clock else {
             return;
         };
-        let clock = next.clock;
-        self.cache.borrow_mut().states.insert(
-            endpoint,
-            Slot {
-                value: next,
-                cas: None,
-            },
-        );
         let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
         for (k, &hash) in stored.iter().enumerate() {
             by_bucket
@@ -618,8 +599,37 @@ impl<H: SharedData> SharedIndex<H> {
         dead: &[u64],
         restart: bool,
     ) -> Option<u64> {
-        let key = self.state_keys.get(endpoint)?;
         let capacity = self.endpoint_capacity(endpoint);
+        self.update_state(endpoint, |mut next: EndpointState| {
+            let from = next.clock;
+            next.clock = next.clock.saturating_add(n);
+            if restart {
+                next.window_start = next.clock;
+                next.fill = 0;
+                next.dead = DeadStamps::default();
+                next.dead.fit(capacity, next.clock);
+            } else {
+                next.fill = next.fill.saturating_add(new);
+                next.dead.fit(capacity, from);
+                next.dead.advance(from, next.clock);
+                for &stamp in dead {
+                    next.dead.kill(stamp, next.clock);
+                }
+            }
+            Some(next)
+        })
+    }
+
+    /// A read-modify-write of `endpoint`'s record through the request cache (the cached copy
+    /// serves the first attempt); the written record's clock, or `None` when it failed
+    /// (counted). Our write changes the CAS token, so the cached copy then serves reads and a
+    /// later write re-reads.
+    fn update_state(
+        &self,
+        endpoint: usize,
+        update: impl FnMut(EndpointState) -> Option<EndpointState>,
+    ) -> Option<u64> {
+        let key = self.state_keys.get(endpoint)?;
         let outcome = read_modify_write(
             CAS_ATTEMPTS,
             |stale| {
@@ -628,29 +638,11 @@ impl<H: SharedData> SharedIndex<H> {
                     cas: slot.cas.unwrap_or(0),
                 })
             },
-            |mut next: EndpointState| {
-                let from = next.clock;
-                next.clock = next.clock.saturating_add(n);
-                if restart {
-                    next.window_start = next.clock;
-                    next.fill = 0;
-                    next.dead = DeadStamps::default();
-                    next.dead.fit(capacity, next.clock);
-                } else {
-                    next.fill = next.fill.saturating_add(new);
-                    next.dead.fit(capacity, from);
-                    next.dead.advance(from, next.clock);
-                    for &stamp in dead {
-                        next.dead.kill(stamp, next.clock);
-                    }
-                }
-                Some(next)
-            },
+            update,
             |next, cas| self.host.set(key, &next.encode(), cas),
         );
         let next = self.cache.borrow_mut().errors.settle(outcome)?;
         let clock = next.clock;
-        // Our write changed the token: the cached copy serves reads, and a later write re-reads.
         self.cache.borrow_mut().states.insert(
             endpoint,
             Slot {

@@ -483,10 +483,7 @@ impl Demo {
             let mut sim = Simulation::new(&self.trace, config).map_err(|e| e.to_string())?;
             sim.run();
             rows.push(json!({
-                "index": match index {
-                    IndexMode::Approximate => "approximate",
-                    IndexMode::Precise => "precise",
-                },
+                "index": index.name(),
                 "report": sim.report(),
                 "check": sim.belief_check(),
             }));

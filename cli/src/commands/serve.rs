@@ -105,7 +105,7 @@ pub struct PluginArgs {
     static_pool: bool,
     /// The router's belief: `approximate` (what it sent where) or `precise` (the servers' KV
     /// events through `prefixroute kv-events`; needs --kv-relay).
-    #[arg(long, default_value = "approximate", value_parser = parse_index)]
+    #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
     /// Where `prefixroute kv-events` serves its feed (`--listen` there), for --index precise.
     #[arg(long, value_name = "IP:PORT")]
@@ -113,14 +113,6 @@ pub struct PluginArgs {
     /// How often the plugin fetches the relay's feed (--index precise).
     #[arg(long, default_value_t = 200)]
     kv_interval_ms: u64,
-}
-
-fn parse_index(s: &str) -> Result<IndexMode, String> {
-    match s {
-        "approximate" => Ok(IndexMode::Approximate),
-        "precise" => Ok(IndexMode::Precise),
-        _ => Err("expected approximate or precise".into()),
-    }
 }
 
 impl PluginArgs {

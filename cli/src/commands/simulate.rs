@@ -59,18 +59,10 @@ pub struct Args {
     json: bool,
     /// The router's belief: `approximate` (what it routed) or `precise` (the replicas' KV
     /// events, applied as they happen).
-    #[arg(long, default_value = "approximate", value_parser = parse_index)]
+    #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
     #[command(flatten)]
     split: SplitArgs,
-}
-
-fn parse_index(s: &str) -> Result<IndexMode, String> {
-    match s {
-        "approximate" => Ok(IndexMode::Approximate),
-        "precise" => Ok(IndexMode::Precise),
-        _ => Err("expected approximate or precise".into()),
-    }
 }
 
 /// Prefill/decode disaggregation: each policy runs on the split fleet and, for comparison, on
