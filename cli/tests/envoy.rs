@@ -7,11 +7,11 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use serde_json::Value;
-use support::{http, temp, FakeServer, BIN};
+use support::{http, temp, FakeServer, Served, BIN};
 
 fn prefixroute_json(args: &[&str]) -> Value {
     let out = Command::new(BIN)
@@ -123,67 +123,15 @@ fn hot_tenant_reaches_a_second_endpoint() {
     }
 }
 
-/// `prefixroute serve` (which becomes Envoy) on free ports; killed when dropped.
-struct Served {
-    child: Child,
-    port: u16,
-    admin: u16,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
+/// `prefixroute serve` in front of `replicas` (named replica-0, replica-1, …) with `extra`.
 fn serve(replicas: &[&FakeServer], extra: &[&str]) -> Served {
-    let (port, admin) = (free_port(), free_port());
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "serve",
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--admin",
-        &format!("127.0.0.1:{admin}"),
-    ]);
+    let mut args: Vec<String> = Vec::new();
     for (i, r) in replicas.iter().enumerate() {
-        cmd.args([
-            "--endpoint",
-            &format!("replica-{i}=http://127.0.0.1:{}", r.port),
-        ]);
+        args.push("--endpoint".into());
+        args.push(format!("replica-{i}=http://127.0.0.1:{}", r.port));
     }
-    let log = std::fs::File::create(temp(&format!("envoy-{port}.log"))).unwrap();
-    let child = cmd
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let served = Served { child, port, admin };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let ready = std::panic::catch_unwind(|| http(admin, "GET", "/ready", None));
-        if ready.is_ok_and(|r| r.status == 200) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "Envoy not ready; see {}",
-            temp(&format!("envoy-{port}.log")).display()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    served
+    args.extend(extra.iter().map(|a| a.to_string()));
+    support::serve(&args)
 }
 
 fn chat(tenant: usize, question: usize) -> String {

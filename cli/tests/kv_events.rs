@@ -6,13 +6,13 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use prefixroute_core::feed::FeedPage;
 use prefixroute_core::hashing::{hash_request, HashConfig};
 use prefixroute_core::request::parse_request;
-use support::{http, FakeServer, BIN};
+use support::{free_port, http, FakeServer, Killed, Served, BIN};
 
 /// A fake server publishing KV events on a free port; returns it and its ZMQ endpoint.
 fn publishing(name: &str, extra: &[&str]) -> (FakeServer, String) {
@@ -64,15 +64,6 @@ fn router_blocks(body: &str, block_size: usize) -> Vec<u64> {
 fn python() -> String {
     std::env::var("PREFIXROUTE_PYTHON")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python").into())
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -131,11 +122,7 @@ fn the_fake_servers_events_decode_with_vllms_schema() {
 }
 
 fn relay(publishers: &[(u16, &str)], block_size: usize) -> (Killed, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let mut cmd = Command::new(BIN);
     cmd.args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--block-size", &block_size.to_string()]);
@@ -271,45 +258,22 @@ fn a_publisher_that_goes_away_is_not_live_and_comes_back_from_empty() {
     assert!(!page.servers[0].live && page.servers[0].cleared);
 }
 
-/// `prefixroute serve` in front of `replicas` (killed when dropped), with `extra` flags.
-fn serve(replicas: &[&FakeServer], extra: &[&str]) -> (Killed, u16, u16) {
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (port, admin) = (free(), free());
-    let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--admin", &format!("127.0.0.1:{admin}")])
-        .args(["--policy", "prefix-only", "--scrape-interval-ms", "200"])
-        .args(["--discovery-interval-ms", "200"]);
+/// `prefixroute serve` in front of `replicas` (r0, r1, …) with `extra` flags, once the pool
+/// is discovered and the feed fetched (both every 200 ms).
+fn serve(replicas: &[&FakeServer], extra: &[&str]) -> Served {
+    let mut args: Vec<String> = ["--policy", "prefix-only", "--scrape-interval-ms", "200"]
+        .iter()
+        .chain(&["--discovery-interval-ms", "200"])
+        .map(|a| a.to_string())
+        .collect();
     for (i, r) in replicas.iter().enumerate() {
-        cmd.args(["--endpoint", &format!("r{i}=http://127.0.0.1:{}", r.port)]);
+        args.push("--endpoint".into());
+        args.push(format!("r{i}=http://127.0.0.1:{}", r.port));
     }
-    let log = std::fs::File::create(support::temp(&format!("envoy-kv-{port}.log"))).unwrap();
-    let child = Killed(
-        cmd.args(extra)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let ready = std::panic::catch_unwind(|| http(admin, "GET", "/ready", None));
-        if ready.is_ok_and(|r| r.status == 200) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "Envoy not ready");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // The pool is discovered on the first ticks; the feed fetched every 200 ms.
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let served = support::serve(&args);
     std::thread::sleep(Duration::from_millis(1200));
-    (child, port, admin)
+    served
 }
 
 fn chat(tenant: &str) -> String {
@@ -364,7 +328,8 @@ fn an_evicted_prefix_is_routed_cold_with_precise_events_and_believed_with_the_ap
         if index == "precise" {
             extra.extend(["--kv-relay", relay_addr.as_str()]);
         }
-        let (_envoy, port, admin) = serve(&[&r0, &r1], &extra);
+        let envoy = serve(&[&r0, &r1], &extra);
+        let (port, admin) = (envoy.port, envoy.admin);
         let (holder, _) = through(port, "tenant-a");
         let (again, matched) = through(port, "tenant-a");
         assert_eq!(again, holder, "{index}: the prefix stays home");
@@ -398,16 +363,7 @@ fn an_evicted_prefix_is_routed_cold_with_precise_events_and_believed_with_the_ap
 
 #[test]
 fn publishers_that_connect_to_a_bound_relay_are_known_by_their_topic() {
-    let zmq = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let (zmq, port) = (free_port(), free_port());
     let bind = format!("tcp://127.0.0.1:{zmq}");
     let _relay = Killed(
         Command::new(BIN)

@@ -8,12 +8,12 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{http, temp, FakeServer, BIN};
+use support::{http, temp, FakeServer, Served, BIN};
 
 const FAST: [&str; 8] = [
     "--scrape-interval-ms",
@@ -31,61 +31,9 @@ fn replica(name: &str) -> FakeServer {
     FakeServer::start(name, &["--prefill-ms-per-token", "0.05", "--lanes", "8"])
 }
 
-/// `prefixroute serve` (which becomes Envoy) on free ports; killed when dropped.
-struct Served {
-    child: Child,
-    port: u16,
-    admin: u16,
-    log: PathBuf,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn serve(pool: &[&str]) -> Served {
-    let (port, admin) = (free_port(), free_port());
-    let log = temp(&format!("envoy-{port}.log"));
-    let file = std::fs::File::create(&log).unwrap();
-    let child = Command::new(BIN)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--admin", &format!("127.0.0.1:{admin}")])
-        .args(FAST)
-        .args(pool)
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().unwrap())
-        .stderr(file)
-        .spawn()
-        .unwrap();
-    let served = Served {
-        child,
-        port,
-        admin,
-        log,
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !std::panic::catch_unwind(|| http(admin, "GET", "/ready", None))
-        .is_ok_and(|r| r.status == 200)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "Envoy not ready; see {}",
-            served.log.display()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    served
+    let args: Vec<&str> = FAST.iter().chain(pool).copied().collect();
+    support::serve(&args)
 }
 
 impl Served {

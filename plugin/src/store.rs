@@ -330,33 +330,20 @@ impl<H: SharedData> SharedIndex<H> {
         let Some(clock) = clock else {
             return;
         };
-        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-        for (k, &hash) in stored.iter().enumerate() {
-            by_bucket
-                .entry(self.bucket_of(hash))
-                .or_default()
-                .push(Update {
-                    endpoint: id,
-                    hash,
-                    stamp: clock - k as u64,
-                    confirmed: true,
-                    ..Update::default()
-                });
-        }
-        for &hash in removed {
-            by_bucket
-                .entry(self.bucket_of(hash))
-                .or_default()
-                .push(Update {
-                    endpoint: id,
-                    hash,
-                    remove: true,
-                    ..Update::default()
-                });
-        }
-        for (bucket, updates) in by_bucket {
-            self.queue_updates(bucket, updates);
-        }
+        let confirmed = stored.iter().enumerate().map(|(k, &hash)| Update {
+            endpoint: id,
+            hash,
+            stamp: clock - k as u64,
+            confirmed: true,
+            ..Update::default()
+        });
+        let removals = removed.iter().map(|&hash| Update {
+            endpoint: id,
+            hash,
+            remove: true,
+            ..Update::default()
+        });
+        self.queue_by_bucket(confirmed.chain(removals));
     }
 
     /// The id table the index writes holders with.
@@ -653,6 +640,18 @@ impl<H: SharedData> SharedIndex<H> {
         Some(clock)
     }
 
+    /// Queues `updates`, grouped by the bucket each hash falls in (one write per bucket at
+    /// `end_request`).
+    fn queue_by_bucket(&self, updates: impl Iterator<Item = Update>) {
+        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
+        for u in updates {
+            by_bucket.entry(self.bucket_of(u.hash)).or_default().push(u);
+        }
+        for (bucket, updates) in by_bucket {
+            self.queue_updates(bucket, updates);
+        }
+    }
+
     /// Applies `updates` to the cached bucket now (so this request reads its own writes) and
     /// queues them for `end_request`. The cached CAS token stays the one of our read.
     fn queue_updates(&self, bucket: u64, updates: Vec<Update>) {
@@ -758,22 +757,12 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         };
         // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
         // window slides the tail of a prompt ages out before its shared head (as in core).
-        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-        for (k, &i) in stale.iter().enumerate() {
-            let hash = chain[i];
-            by_bucket
-                .entry(self.bucket_of(hash))
-                .or_default()
-                .push(Update {
-                    endpoint: id,
-                    hash,
-                    stamp: new_clock - k as u64,
-                    ..Update::default()
-                });
-        }
-        for (bucket, updates) in by_bucket {
-            self.queue_updates(bucket, updates);
-        }
+        self.queue_by_bucket(stale.iter().enumerate().map(|(k, &i)| Update {
+            endpoint: id,
+            hash: chain[i],
+            stamp: new_clock - k as u64,
+            ..Update::default()
+        }));
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {

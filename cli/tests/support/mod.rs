@@ -193,3 +193,65 @@ pub fn temp(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
+
+/// A free TCP port on 127.0.0.1 (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A child process killed (and reaped) when dropped, so a failing test leaves none behind.
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `prefixroute serve` (which becomes Envoy) on free ports; killed when dropped.
+pub struct Served {
+    _child: Killed,
+    pub port: u16,
+    pub admin: u16,
+    /// Envoy's output.
+    pub log: std::path::PathBuf,
+}
+
+/// Starts `prefixroute serve --listen … --admin … ARGS` and waits until Envoy is ready.
+pub fn serve<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Served {
+    let (port, admin) = (free_port(), free_port());
+    let log = temp(&format!("envoy-{port}.log"));
+    let file = std::fs::File::create(&log).unwrap();
+    let child = Command::new(BIN)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin", &format!("127.0.0.1:{admin}")])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .expect("spawn prefixroute serve");
+    let served = Served {
+        _child: Killed(child),
+        port,
+        admin,
+        log,
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(TcpStream::connect(("127.0.0.1", admin)).is_ok()
+        && http(admin, "GET", "/ready", None).status == 200)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "Envoy not ready; see {}",
+            served.log.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    served
+}
