@@ -22,7 +22,13 @@ pub struct Writer(pub Vec<u8>);
 
 impl Writer {
     pub fn with_layout() -> Self {
-        Writer(vec![LAYOUT])
+        Self::with_layout_capacity(64)
+    }
+    /// A writer with room for `bytes` (no regrowth while encoding a value of that size).
+    pub fn with_layout_capacity(bytes: usize) -> Self {
+        let mut buf = Vec::with_capacity(bytes.max(1));
+        buf.push(LAYOUT);
+        Writer(buf)
     }
     pub fn u8(&mut self, v: u8) {
         self.0.push(v);
@@ -328,8 +334,9 @@ pub struct Bucket {
 
 impl Bucket {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_layout();
         let entries = &self.entries[..self.entries.len().min(u8::MAX as usize)];
+        let holders: usize = entries.iter().map(|e| e.holders.len()).sum();
+        let mut w = Writer::with_layout_capacity(2 + entries.len() * 9 + holders * 16);
         w.u8(entries.len() as u8);
         for e in entries {
             w.u64(e.hash);

@@ -36,7 +36,43 @@ pub fn endpoint_key(address: &str) -> String {
 /// Key of an index bucket. The table size is part of the key so that two configurations with
 /// different table sizes never fight over one key with different hash-to-bucket mappings.
 pub fn bucket_key(bits: u32, bucket: u64) -> String {
-    format!("prefixroute/ix/{bits}/{bucket:x}")
+    BucketKeys::new(bits).key(bucket)
+}
+
+/// Builds bucket keys without the formatting machinery: a cold request builds two per new
+/// block (its read and its write), and `format!` was a tenth of that path's instructions.
+#[derive(Debug, Clone)]
+pub struct BucketKeys {
+    prefix: String,
+}
+
+impl BucketKeys {
+    pub fn new(bits: u32) -> Self {
+        BucketKeys {
+            prefix: format!("prefixroute/ix/{bits}/"),
+        }
+    }
+
+    /// `prefixroute/ix/<bits>/<bucket in lowercase hex>`, as [`bucket_key`].
+    pub fn key(&self, bucket: u64) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut digits = [0u8; 16];
+        let mut n = bucket;
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = HEX[(n & 0xf) as usize];
+            n >>= 4;
+            if n == 0 {
+                break;
+            }
+        }
+        let mut key = String::with_capacity(self.prefix.len() + digits.len() - i);
+        key.push_str(&self.prefix);
+        // Hex digits are ASCII, so this never falls back to the empty string.
+        key.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
+        key
+    }
 }
 
 /// Key of an endpoint's [`crate::codec::CalibrationRecord`].
@@ -389,6 +425,15 @@ mod tests {
             read.cas, 0,
             "the garbled value's token, so a write replaces it"
         );
+    }
+
+    #[test]
+    fn bucket_keys_are_the_bits_and_the_bucket_in_hex() {
+        let keys = BucketKeys::new(12);
+        for bucket in [0u64, 9, 0xa, 0xff, 0x3_0f0f, u64::MAX] {
+            assert_eq!(keys.key(bucket), format!("prefixroute/ix/12/{bucket:x}"));
+        }
+        assert_eq!(bucket_key(18, 0xab), "prefixroute/ix/18/ab");
     }
 
     #[test]

@@ -28,14 +28,14 @@
 //! reads.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
 use crate::shared::{
-    bucket_key, endpoint_key, read_modify_write, read_or_default, EndpointIds, SharedData,
+    endpoint_key, read_modify_write, read_or_default, BucketKeys, EndpointIds, SharedData,
     SharedDataErrors, Versioned, CAS_ATTEMPTS,
 };
 use crate::window::DeadStamps;
@@ -162,6 +162,24 @@ pub fn apply_updates(
     }
 }
 
+/// The ranges of consecutive items of `items` with equal `key`, in order (what
+/// `slice::chunk_by` gives on newer Rust than our MSRV).
+fn runs<'a, T, K: PartialEq>(
+    items: &'a [T],
+    key: impl Fn(&T) -> K + 'a,
+) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        let first = key(items.get(start)?);
+        let len = items[start..]
+            .iter()
+            .take_while(|x| key(x) == first)
+            .count();
+        start += len;
+        Some(start - len..start)
+    })
+}
+
 /// A cached value with what we know of its CAS token.
 #[derive(Debug, Clone)]
 struct Slot<T> {
@@ -181,13 +199,45 @@ impl<T> From<Versioned<T>> for Slot<T> {
     }
 }
 
+/// The request cache's maps: a cold request caches one bucket per new block (a thousand for
+/// a 16k-token prompt), and a hash map with a one-multiply hasher costs a fraction of a
+/// B-tree's comparisons per lookup. Deterministic: no random seed.
+type CacheMap<K, V> = hashbrown::HashMap<K, V, BuildHasherDefault<KeyHasher>>;
+
+/// Hashes the cache's integer keys (bucket numbers, already uniform; endpoint indices) with
+/// one multiply by an odd constant: distinct keys keep distinct low bits (hashbrown's slot)
+/// and the top bits (its control byte) are mixed.
+#[derive(Debug, Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(29) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// Per-request read cache, and the request's index writes, applied to the cached buckets at
 /// once (so the request reads its own writes) and sent to shared data by `end_request`.
 #[derive(Debug, Default)]
 struct Cache {
-    states: BTreeMap<usize, Slot<EndpointState>>,
-    buckets: BTreeMap<u64, Slot<Bucket>>,
-    pending: BTreeMap<u64, Vec<Update>>,
+    states: CacheMap<usize, Slot<EndpointState>>,
+    buckets: CacheMap<u64, Slot<Bucket>>,
+    /// (bucket, update) in the order queued; grouped by bucket when sent.
+    pending: Vec<(u64, Update)>,
     errors: SharedDataErrors,
 }
 
@@ -203,6 +253,7 @@ pub struct SharedIndex<H: SharedData> {
     /// smaller cache (core's `PrefixStore::set_capacity`).
     capacities: Vec<u64>,
     bits: u32,
+    keys: BucketKeys,
     cache: RefCell<Cache>,
     /// `index: precise`: how many clock positions a block the router recorded but the server
     /// has not confirmed stays believed on an endpoint whose events arrive.
@@ -265,6 +316,7 @@ impl<H: SharedData> SharedIndex<H> {
             ids: EndpointIds::new(&[]),
             capacity,
             bits: bits.clamp(MIN_TABLE_BITS, MAX_TABLE_BITS),
+            keys: BucketKeys::new(bits.clamp(MIN_TABLE_BITS, MAX_TABLE_BITS)),
             cache: RefCell::new(Cache::default()),
             speculative_blocks: None,
         };
@@ -382,9 +434,12 @@ impl<H: SharedData> SharedIndex<H> {
     /// Sends the request's index writes (one CAS per bucket touched), drops the request's
     /// cache and returns the counters it produced.
     pub fn end_request(&mut self) -> SharedDataErrors {
-        let pending = std::mem::take(&mut self.cache.get_mut().pending);
-        for (bucket, updates) in pending {
-            self.write_bucket(bucket, &updates);
+        let mut pending = std::mem::take(&mut self.cache.get_mut().pending);
+        // Stable: a bucket's updates keep the order they were queued (and applied) in.
+        pending.sort_by_key(|&(bucket, _)| bucket);
+        let updates: Vec<Update> = pending.iter().map(|&(_, u)| u).collect();
+        for run in runs(&pending, |&(bucket, _)| bucket) {
+            self.write_bucket(pending[run.start].0, &updates[run]);
         }
         let cache = self.cache.get_mut();
         cache.states.clear();
@@ -479,7 +534,7 @@ impl<H: SharedData> SharedIndex<H> {
     /// the next read-modify-write re-reads it. Cheaper than removing it from the map (the
     /// `.wasm` then carries no B-tree removal at all). A give-up leaves the last read cached:
     /// the rest of this request sees it, the next request re-reads.
-    fn forget_cas<K: Ord, T>(&self, cached: &mut BTreeMap<K, Slot<T>>, key: K) {
+    fn forget_cas<K: std::hash::Hash + Eq, T>(&self, cached: &mut CacheMap<K, Slot<T>>, key: K) {
         if let Some(slot) = cached.get_mut(&key) {
             slot.cas = None;
         }
@@ -488,27 +543,34 @@ impl<H: SharedData> SharedIndex<H> {
     /// Reads a bucket from shared data into the request cache (replacing what was cached),
     /// without copying it: the hot read path only looks into the cached copy.
     fn fetch_bucket(&self, bucket: u64) -> Result<(), u32> {
-        let key = bucket_key(self.bits, bucket);
+        let key = self.keys.key(bucket);
         let slot = Slot::from(read_or_default(&self.host, &key, Bucket::decode)?);
         self.cache.borrow_mut().buckets.insert(bucket, slot);
         Ok(())
     }
 
-    /// A copy of the bucket for a read-modify-write; `fresh_cas` re-reads it if our own write
-    /// made the cached CAS token unknown (or a lost race made it stale).
-    fn load_bucket(&self, bucket: u64, fresh_cas: bool) -> Result<Slot<Bucket>, u32> {
-        let usable = match self.cache.borrow().buckets.get(&bucket) {
-            Some(slot) => !fresh_cas || slot.cas.is_some(),
-            None => false,
-        };
+    /// The bucket for the write at `end_request`, taken out of the request cache (not copied:
+    /// the cache is dropped after the writes, and the write puts back what it wrote); re-read
+    /// if our own write made the cached CAS token unknown or a lost race made it stale.
+    fn take_bucket(&self, bucket: u64) -> Result<Slot<Bucket>, u32> {
+        let usable = matches!(
+            self.cache.borrow().buckets.get(&bucket),
+            Some(slot) if slot.cas.is_some()
+        );
         if !usable {
             self.fetch_bucket(bucket)?;
         }
-        let cache = self.cache.borrow();
-        Ok(cache.buckets.get(&bucket).cloned().unwrap_or(Slot {
-            value: Bucket::default(),
-            cas: Some(0),
-        }))
+        let mut cache = self.cache.borrow_mut();
+        Ok(match cache.buckets.get_mut(&bucket) {
+            Some(slot) => Slot {
+                value: std::mem::take(&mut slot.value),
+                cas: slot.cas,
+            },
+            None => Slot {
+                value: Bucket::default(),
+                cas: Some(0),
+            },
+        })
     }
 
     /// Reads go through the cache without copying the bucket: `longest_match` asks every
@@ -643,33 +705,43 @@ impl<H: SharedData> SharedIndex<H> {
     /// Queues `updates`, grouped by the bucket each hash falls in (one write per bucket at
     /// `end_request`).
     fn queue_by_bucket(&self, updates: impl Iterator<Item = Update>) {
-        let mut by_bucket: BTreeMap<u64, Vec<Update>> = BTreeMap::new();
-        for u in updates {
-            by_bucket.entry(self.bucket_of(u.hash)).or_default().push(u);
-        }
-        for (bucket, updates) in by_bucket {
-            self.queue_updates(bucket, updates);
+        // A sort, not a map of vectors: a cold request queues one update per new block, in
+        // as many buckets, and a map would allocate for each.
+        let mut updates: Vec<Update> = updates.collect();
+        updates.sort_by_key(|u| self.bucket_of(u.hash));
+        for run in runs(&updates, |u| self.bucket_of(u.hash)) {
+            self.queue_updates(self.bucket_of(updates[run.start].hash), &updates[run]);
         }
     }
 
     /// Applies `updates` to the cached bucket now (so this request reads its own writes) and
     /// queues them for `end_request`. The cached CAS token stays the one of our read.
-    fn queue_updates(&self, bucket: u64, updates: Vec<Update>) {
-        let slot = match self.load_bucket(bucket, false) {
-            Ok(slot) => slot,
-            Err(status) => return self.note_read_error(status),
-        };
-        let mut value = slot.value;
-        apply_updates(&mut value, &updates, WAYS, &|h| self.freshness(h));
+    fn queue_updates(&self, bucket: u64, updates: &[Update]) {
+        let cached = self.cache.borrow().buckets.contains_key(&bucket);
+        if !cached {
+            if let Err(status) = self.fetch_bucket(bucket) {
+                return self.note_read_error(status);
+            }
+        }
+        // Updated in place, not copied: taken out of the cache while `freshness` reads the
+        // endpoint records through it, and put back.
+        let mut value = self
+            .cache
+            .borrow_mut()
+            .buckets
+            .get_mut(&bucket)
+            .map(|slot| std::mem::take(&mut slot.value))
+            .unwrap_or_default();
+        apply_updates(&mut value, updates, WAYS, &|h| self.freshness(h));
         let mut cache = self.cache.borrow_mut();
         if let Some(cached) = cache.buckets.get_mut(&bucket) {
             cached.value = value;
         }
-        cache.pending.entry(bucket).or_default().extend(updates);
+        cache.pending.extend(updates.iter().map(|&u| (bucket, u)));
     }
 
     fn write_bucket(&self, bucket: u64, updates: &[Update]) {
-        let key = bucket_key(self.bits, bucket);
+        let key = self.keys.key(bucket);
         let outcome = read_modify_write(
             CAS_ATTEMPTS,
             |stale| {
@@ -686,7 +758,7 @@ impl<H: SharedData> SharedIndex<H> {
                         .buckets
                         .get(&bucket)
                         .is_some_and(|slot| slot.cas.is_some());
-                let slot = self.load_bucket(bucket, true)?;
+                let slot = self.take_bucket(bucket)?;
                 Ok(Versioned {
                     value: (slot.value, applied),
                     cas: slot.cas.unwrap_or(0),
@@ -799,10 +871,10 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let bucket = self.bucket_of(hash);
         {
             let mut cache = self.cache.borrow_mut();
-            if let Some(update) = cache
+            if let Some((_, update)) = cache
                 .pending
-                .get_mut(&bucket)
-                .and_then(|u| u.iter_mut().find(|u| u.endpoint == id && u.hash == hash))
+                .iter_mut()
+                .find(|(_, u)| u.endpoint == id && u.hash == hash)
             {
                 // Recorded by this request: the mark rides on that write.
                 update.end = true;
@@ -823,7 +895,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         match self.holder(hash, id) {
             Some(h) if !h.end && view.holds(&h) => self.queue_updates(
                 bucket,
-                vec![Update {
+                &[Update {
                     endpoint: id,
                     hash,
                     stamp: h.stamp,
@@ -849,7 +921,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shared::MemShared;
+    use crate::shared::{bucket_key, MemShared};
     use prefixroute_core::PrefixIndex;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
@@ -871,6 +943,16 @@ mod tests {
 
     fn addrs(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect()
+    }
+
+    #[test]
+    fn runs_are_the_maximal_ranges_of_equal_keys() {
+        let items = [3, 3, 1, 4, 4, 4, 3];
+        assert_eq!(
+            runs(&items, |&x| x).collect::<Vec<_>>(),
+            vec![0..2, 2..3, 3..6, 6..7]
+        );
+        assert_eq!(runs(&[] as &[u8], |&x| x).count(), 0);
     }
 
     #[test]
