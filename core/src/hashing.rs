@@ -43,18 +43,26 @@ pub fn chain_seed(model: &str, cache_salt: &str) -> u64 {
 /// The hash of one block given its tokens and the previous block's hash (or the seed).
 pub fn block_hash(tokens: &[u32], parent: u64) -> u64 {
     let mut bytes = [0u8; 16 * 4];
-    let own = if tokens.len() <= 16 {
+    if tokens.len() <= 16 {
         for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
             chunk.copy_from_slice(&t.to_le_bytes());
         }
-        xxh64(&bytes[..tokens.len() * 4], 0)
-    } else {
-        let mut h = Xxh64::new(0);
-        for t in tokens {
-            h.update(&t.to_le_bytes());
-        }
-        h.digest()
-    };
+        return chain_step(&bytes[..tokens.len() * 4], parent);
+    }
+    let mut h = Xxh64::new(0);
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    pair_hash(h.digest(), parent)
+}
+
+/// The chain step on a block's token ids as little-endian bytes: what [`block_hash`] computes,
+/// for callers that already hold the bytes.
+fn chain_step(token_bytes: &[u8], parent: u64) -> u64 {
+    pair_hash(xxh64(token_bytes, 0), parent)
+}
+
+fn pair_hash(own: u64, parent: u64) -> u64 {
     let mut pair = [0u8; 16];
     pair[..8].copy_from_slice(&own.to_le_bytes());
     pair[8..].copy_from_slice(&parent.to_le_bytes());
@@ -111,21 +119,28 @@ impl BlockHashes {
 /// would be a 64 KB allocation and a second pass). Returns the token count. Exactly
 /// `chain_hashes_into(&tokenize(text), ..)`.
 pub fn chain_text_into(text: &str, seed: u64, config: HashConfig, out: &mut Vec<u64>) -> usize {
-    let block_size = config.block_size.max(1);
-    let mut block: Vec<u32> = Vec::with_capacity(block_size);
+    // The block's token ids go straight into the bytes xxh64 reads (one-shot xxh64 of a
+    // block's bytes equals the streaming hash `block_hash` uses for long blocks), so a token
+    // costs one 4-byte store here, not a push and a later copy.
+    let block_bytes = config.block_size.max(1) * 4;
+    let mut bytes = vec![0u8; block_bytes];
+    let mut filled = 0;
     let mut parent = seed;
     let mut count = 0;
     for_each_token(text, |id| {
         count += 1;
-        block.push(id);
-        if block.len() == block_size {
-            parent = block_hash(&block, parent);
+        if let Some(slot) = bytes.get_mut(filled..filled + 4) {
+            slot.copy_from_slice(&id.to_le_bytes());
+        }
+        filled += 4;
+        if filled == block_bytes {
+            parent = chain_step(&bytes, parent);
             out.push(parent);
-            block.clear();
+            filled = 0;
         }
     });
-    if !block.is_empty() && config.include_partial {
-        out.push(block_hash(&block, parent));
+    if filled > 0 && config.include_partial {
+        out.push(chain_step(&bytes[..filled], parent));
     }
     count
 }
