@@ -7,7 +7,7 @@
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 use crate::request::{ParsedRequest, Prompt};
-use crate::tokenizer::for_each_token;
+use crate::tokenizer::for_each_token_at;
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -97,6 +97,11 @@ pub struct BlockHashes {
     /// Tokens per prompt, in the same order.
     pub tokens: Vec<usize>,
     pub block_size: usize,
+    /// Per chain, the numbers of full blocks that lie before a message boundary (increasing,
+    /// each at least one): the prefixes other requests are likely to share, which the belief
+    /// records exactly (see [`crate::index::record_positions`]).
+    #[serde(default)]
+    pub marks: Vec<Vec<usize>>,
 }
 
 impl BlockHashes {
@@ -119,6 +124,30 @@ impl BlockHashes {
 /// would be a 64 KB allocation and a second pass). Returns the token count. Exactly
 /// `chain_hashes_into(&tokenize(text), ..)`.
 pub fn chain_text_into(text: &str, seed: u64, config: HashConfig, out: &mut Vec<u64>) -> usize {
+    chain_text_marked(text, seed, config, &[], out, &mut Vec::new())
+}
+
+/// [`chain_text_into`], also appending to `marks` the number of full blocks before each of
+/// `boundaries` (increasing byte offsets where a token starts, such as a chat message's
+/// start), leaving out zeros and repeats.
+pub fn chain_text_marked(
+    text: &str,
+    seed: u64,
+    config: HashConfig,
+    boundaries: &[usize],
+    out: &mut Vec<u64>,
+    marks: &mut Vec<usize>,
+) -> usize {
+    let block_size = config.block_size.max(1);
+    // One comparison per token: the next boundary, `usize::MAX` once none is left.
+    let mut boundaries = boundaries.iter().copied();
+    let mut next_boundary = boundaries.next().unwrap_or(usize::MAX);
+    let mark = |tokens: usize, marks: &mut Vec<usize>| {
+        let blocks = tokens / block_size;
+        if blocks > 0 && marks.last() != Some(&blocks) {
+            marks.push(blocks);
+        }
+    };
     // The block's token ids go straight into the bytes xxh64 reads (one-shot xxh64 of a
     // block's bytes equals the streaming hash `block_hash` uses for long blocks), so a token
     // costs one 4-byte store here, not a push and a later copy.
@@ -127,7 +156,11 @@ pub fn chain_text_into(text: &str, seed: u64, config: HashConfig, out: &mut Vec<
     let mut filled = 0;
     let mut parent = seed;
     let mut count = 0;
-    for_each_token(text, |id| {
+    for_each_token_at(text, |start, id| {
+        while start >= next_boundary {
+            mark(count, marks);
+            next_boundary = boundaries.next().unwrap_or(usize::MAX);
+        }
         count += 1;
         if let Some(slot) = bytes.get_mut(filled..filled + 4) {
             slot.copy_from_slice(&id.to_le_bytes());
@@ -142,6 +175,12 @@ pub fn chain_text_into(text: &str, seed: u64, config: HashConfig, out: &mut Vec<
     if filled > 0 && config.include_partial {
         out.push(chain_step(&bytes[..filled], parent));
     }
+    if next_boundary != usize::MAX {
+        mark(count, marks);
+        for _ in boundaries {
+            mark(count, marks);
+        }
+    }
     count
 }
 
@@ -152,20 +191,26 @@ pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes 
         chains: Vec::with_capacity(request.prompts.len()),
         tokens: Vec::with_capacity(request.prompts.len()),
         block_size: config.block_size.max(1),
+        marks: Vec::with_capacity(request.prompts.len()),
     };
-    for prompt in &request.prompts {
+    for (i, prompt) in request.prompts.iter().enumerate() {
+        let mut marks = Vec::new();
         let (count, chain) = match prompt {
             Prompt::Text(text) => {
                 // About 4 bytes per token in English text.
                 let blocks = text.len() / (4 * hashes.block_size) + 1;
                 let mut chain = Vec::with_capacity(blocks);
-                let count = chain_text_into(text, seed, config, &mut chain);
+                // Message boundaries belong to the chat prompt, the only one.
+                let boundaries = if i == 0 { &request.boundaries[..] } else { &[] };
+                let count =
+                    chain_text_marked(text, seed, config, boundaries, &mut chain, &mut marks);
                 (count, chain)
             }
             Prompt::Tokens(ids) => (ids.len(), chain_hashes(ids, seed, config)),
         };
         hashes.tokens.push(count);
         hashes.chains.push(chain);
+        hashes.marks.push(marks);
     }
     hashes
 }
@@ -212,6 +257,35 @@ mod tests {
     }
 
     #[test]
+    fn chat_hashes_mark_the_full_blocks_before_each_message() {
+        let body = br#"{"messages":[{"role":"system","content":"a b c d e"},{"role":"user","content":"q r"},{"role":"assistant","content":"s"}]}"#;
+        let req = crate::request::parse_request(body).unwrap();
+        let Prompt::Text(text) = &req.prompts[0] else {
+            panic!("chat is text")
+        };
+        for block_size in 1..6 {
+            let config = HashConfig {
+                block_size,
+                include_partial: true,
+            };
+            let h = hash_request(&req, config);
+            let expected: Vec<usize> = req
+                .boundaries
+                .iter()
+                .map(|&b| crate::tokenizer::tokenize(&text[..b]).len() / block_size)
+                .filter(|&k| k > 0)
+                .collect();
+            assert_eq!(h.marks, vec![expected.clone()], "block size {block_size}");
+            // Marking changes no hash.
+            let mut plain = Vec::new();
+            chain_text_into(text, chain_seed("", ""), config, &mut plain);
+            assert_eq!(h.chains[0], plain);
+        }
+        // "<", "system", ">\n", "a ", …, "e\n": 8 tokens before the user message.
+        assert_eq!(hash_request(&req, FULL).marks, vec![vec![2, 3]]);
+    }
+
+    #[test]
     fn request_hashes_cover_each_prompt() {
         let req =
             crate::request::parse_request(br#"{"model":"m","prompt":["a b c d e","x"]}"#).unwrap();
@@ -223,6 +297,7 @@ mod tests {
             },
         );
         assert_eq!(h.tokens, vec![5, 1]);
+        assert_eq!(h.marks, vec![Vec::<usize>::new(), vec![]]);
         assert_eq!(h.chains[0].len(), 3);
         assert_eq!(h.chains[1].len(), 1);
         assert_eq!(h.total_blocks(), 4);

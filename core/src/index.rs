@@ -13,6 +13,172 @@ use blocks::BlockLru;
 /// llm-d's default capacity per endpoint, in blocks.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
 
+/// A chain's first blocks are all recorded: short shared heads (a system prompt of a few
+/// hundred tokens) are believed exactly.
+pub const DENSE_BLOCKS: usize = 16;
+/// Beyond [`DENSE_BLOCKS`], one block in this many is recorded (plus the chain's last): a cold
+/// 16k-token prompt costs the plugin ~80 shared-data writes instead of ~1,000.
+pub const STRIDE_BLOCKS: usize = 16;
+
+/// Whether position `p` (from 0) is one of the positions every chain records.
+pub fn is_checkpoint(p: usize) -> bool {
+    p < DENSE_BLOCKS || (p + 1).is_multiple_of(STRIDE_BLOCKS)
+}
+
+/// The positions of a chain of `n` blocks the belief records, in order, each with the number
+/// of new blocks it stands for (itself and the unrecorded ones before it, from `from` on):
+/// every
+/// [checkpoint](is_checkpoint), the last block of each prefix in `marks` (block counts: where
+/// the request's messages begin, see [`crate::hashing::BlockHashes::marks`]), and the last
+/// block, where the request ends; and densely the blocks around `from`, the request's
+/// believed match on the endpoint before this record, where it leaves what is believed there
+/// (see [`window`]). Positions before `from` have weight 0: their blocks are believed
+/// already, and a store only refreshes the ones it holds (it never adds them: their blocks
+/// are counted).
+///
+/// Recording fewer blocks is what bounds a cold prompt's cost in the plugin (one shared-data
+/// write per recorded block); the weights keep the capacity counting blocks, as the server's
+/// cache does. What it costs: a match is found at recorded positions only, so the believed
+/// match of a chain that shares a recorded chain's prefix can fall short of the true shared
+/// prefix by fewer than [`STRIDE_BLOCKS`] blocks, never within the first [`DENSE_BLOCKS`]
+/// blocks, and never when the shared prefix ends where the recorded request ended (the next
+/// turn of a conversation, an exact repeat) or where one of its messages began (a shared
+/// system prompt or document): see [`believed_match`]. Nor once a second request sharing that
+/// prefix was recorded: it left the first at most a stride before the true end of the shared
+/// prefix and recorded the blocks after densely (a document and its questions in one
+/// message: only the second question's match is short).
+pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {
+    let mut positions: Vec<usize> = (0..n.min(DENSE_BLOCKS))
+        .chain((DENSE_BLOCKS + STRIDE_BLOCKS - 1..n).step_by(STRIDE_BLOCKS))
+        .chain(window(from, n))
+        .chain(
+            marks
+                .iter()
+                .filter(|&&k| (1..=n).contains(&k))
+                .map(|k| k - 1),
+        )
+        .chain(n.checked_sub(1))
+        .collect();
+    positions.sort_unstable();
+    positions.dedup();
+    // Blocks before `from` are believed already, counted by whatever recorded them: weight 0.
+    // The new ones are counted once, each by the next recorded position.
+    let mut next = from.min(n);
+    positions
+        .into_iter()
+        .map(|p| {
+            if p < next {
+                return (p, 0);
+            }
+            let weight = p + 1 - next;
+            next = p + 1;
+            (p, weight)
+        })
+        .collect()
+}
+
+/// The dense part of [`record_positions`] for a request leaving a believed match of `from`
+/// blocks: the [`STRIDE_BLOCKS`] blocks from `from` (a later request sharing the prefix then
+/// finds its exact end between two checkpoints), and before them the blocks back to the last
+/// checkpoint (an earlier request's dense part there stays fresh while the prefix is used).
+fn window(from: usize, n: usize) -> std::ops::Range<usize> {
+    let start = if from <= DENSE_BLOCKS {
+        from
+    } else {
+        checkpoint(checkpoints(from) - 1) + 1
+    };
+    start.min(n)..from.saturating_add(STRIDE_BLOCKS).min(n)
+}
+
+/// The checkpoint positions of a chain of `n` blocks, `k`-th first (for the binary search).
+fn checkpoint(k: usize) -> usize {
+    if k < DENSE_BLOCKS {
+        k
+    } else {
+        DENSE_BLOCKS + (k - DENSE_BLOCKS + 1) * STRIDE_BLOCKS - 1
+    }
+}
+
+fn checkpoints(n: usize) -> usize {
+    if n <= DENSE_BLOCKS {
+        n
+    } else {
+        DENSE_BLOCKS + (n - DENSE_BLOCKS) / STRIDE_BLOCKS
+    }
+}
+
+/// The believed match of a chain of `n` blocks on one endpoint, given which of its positions
+/// the endpoint is believed to hold, and the held positions looked at.
+///
+/// The belief about one chain is prefix-closed by construction (a block hash names its whole
+/// prefix, and recording a chain records every checkpoint before its end), so a binary search
+/// over the checkpoints finds the last held one, `log2(checkpoints)` probes; then the
+/// positions up to the next checkpoint are tried from the furthest down, because a request
+/// that ended between two checkpoints recorded its last block there: the next turn of a
+/// conversation matches exactly where the previous one ended. At most
+/// `STRIDE_BLOCKS − 1` probes more.
+///
+/// Near the capacity's edge the belief can have holes (a block aged out while later ones of
+/// its chain stayed); then [`Search::Walk`] stops at the first, where the binary search may
+/// jump over it and believe more.
+pub fn believed_match(
+    n: usize,
+    search: Search,
+    mut holds: impl FnMut(usize) -> bool,
+) -> (usize, Vec<usize>) {
+    let mut probed = Vec::new();
+    let k = checkpoints(n);
+    // `lo`: checkpoints known held (a count); `hi`: index of the first known not held.
+    let (mut lo, mut hi) = (0, k);
+    if search == Search::Walk {
+        while lo < k && holds(checkpoint(lo)) {
+            probed.push(checkpoint(lo));
+            lo += 1;
+        }
+        hi = lo;
+    } else if k > 0 && holds(checkpoint(0)) {
+        probed.push(checkpoint(0));
+        lo = 1;
+        if holds(checkpoint(k - 1)) {
+            probed.push(checkpoint(k - 1));
+            lo = k;
+        } else {
+            hi = k - 1;
+        }
+        while hi - lo > 0 {
+            let mid = lo + (hi - lo) / 2;
+            if holds(checkpoint(mid)) {
+                probed.push(checkpoint(mid));
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+    } else if k > 0 {
+        hi = 0;
+    }
+    let held_to = if lo == 0 { 0 } else { checkpoint(lo - 1) + 1 };
+    let next = if hi < k { checkpoint(hi) } else { n };
+    for p in (held_to..next).rev() {
+        if holds(p) {
+            probed.push(p);
+            return (p + 1, probed);
+        }
+    }
+    (held_to, probed)
+}
+
+/// How [`believed_match`] looks at the checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Search {
+    /// Binary search: `log2(checkpoints)` probes; for stores where a probe costs a read
+    /// (the plugin's shared data).
+    Binary,
+    /// Every checkpoint in order up to the first not held: exact with holes; for stores where
+    /// a probe is a memory lookup.
+    Walk,
+}
+
 /// Where the router's belief lives: in process memory ([`PrefixIndex`]) for the CLI and the
 /// browser, in proxy-wasm shared data for the plugin.
 pub trait PrefixStore {
@@ -20,7 +186,13 @@ pub trait PrefixStore {
     fn longest_match(&self, endpoint: usize, chain: &[u64]) -> usize;
 
     /// Believe that `endpoint` now holds every block of `chain`.
-    fn record(&mut self, endpoint: usize, chain: &[u64]);
+    fn record(&mut self, endpoint: usize, chain: &[u64]) {
+        self.record_marked(endpoint, chain, &[]);
+    }
+
+    /// [`Self::record`], where the prefixes of `marks` blocks (block counts, increasing) end
+    /// at message boundaries: the belief records their last blocks (see [`record_positions`]).
+    fn record_marked(&mut self, endpoint: usize, chain: &[u64], marks: &[usize]);
 
     /// Drop everything believed about `endpoint` (it restarted or left the pool).
     fn forget_endpoint(&mut self, endpoint: usize);
@@ -68,9 +240,20 @@ impl PrefixIndex {
         self.capacity
     }
 
-    /// Blocks currently believed held by `endpoint`.
+    /// Blocks currently believed held by `endpoint` (recorded or stood for by a recorded one).
     pub fn len(&self, endpoint: usize) -> usize {
-        self.endpoints.get(endpoint).map_or(0, BlockLru::len)
+        self.endpoints.get(endpoint).map_or(0, BlockLru::blocks)
+    }
+
+    /// Believe that `endpoint` holds each of `hashes`, one by one, whatever their positions (a
+    /// server's own report of the blocks it stored, `index: precise`); the first is the most
+    /// recent.
+    pub fn record_blocks(&mut self, endpoint: usize, hashes: &[u64]) {
+        self.ensure_endpoints(endpoint + 1);
+        let e = &mut self.endpoints[endpoint];
+        for &hash in hashes.iter().rev() {
+            e.touch(hash);
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -111,17 +294,31 @@ impl PrefixStore for PrefixIndex {
         let Some(e) = self.endpoints.get(endpoint) else {
             return 0;
         };
-        chain.iter().take_while(|&&h| e.contains(h)).count()
+        believed_match(chain.len(), Search::Walk, |p| e.contains(chain[p])).0
     }
 
-    fn record(&mut self, endpoint: usize, chain: &[u64]) {
+    fn record_marked(&mut self, endpoint: usize, chain: &[u64], marks: &[usize]) {
         self.ensure_endpoints(endpoint + 1);
-        let e = &mut self.endpoints[endpoint];
         // Recording in chain order leaves the *first* block most recently used last, so when the
         // set is full the tail of a long prompt goes before its head — the head is what other
         // requests share. Touch in reverse so the head is the most recent.
-        for &hash in chain.iter().rev() {
-            e.touch(hash);
+        // Where the request leaves what is believed here (see `record_positions`).
+        let from = self.longest_match(endpoint, chain);
+        let e = &mut self.endpoints[endpoint];
+        let positions = record_positions(chain.len(), marks, from);
+        let new = &positions[positions.partition_point(|&(p, _)| p < from)..];
+        // The believed prefix is in use, all of it, whoever recorded its blocks (the server's
+        // LRU sees the whole prompt): refreshed first, so the new blocks evict others, not it
+        // (a server cannot evict blocks a running request reads); and again after, head last.
+        let prefix = &chain[..from.min(chain.len())];
+        for &hash in prefix {
+            e.refresh(hash);
+        }
+        for &(p, weight) in new.iter().rev() {
+            e.touch_weighted(chain[p], weight);
+        }
+        for &hash in prefix.iter().rev() {
+            e.refresh(hash);
         }
     }
 
@@ -161,7 +358,7 @@ impl PrefixStore for PrefixIndex {
             .get(endpoint)
             .map_or(CacheRoom::default(), |e| CacheRoom {
                 capacity_blocks: e.cap(),
-                believed_blocks: e.len(),
+                believed_blocks: e.blocks(),
             })
     }
 }
@@ -176,7 +373,7 @@ mod tests {
         index.record(0, &[1, 2, 3]);
         index.record(1, &[1, 9]);
         assert_eq!(index.longest_match(0, &[1, 2, 3, 4]), 3);
-        assert_eq!(index.longest_match(0, &[1, 2, 7, 3]), 2);
+        assert_eq!(index.longest_match(0, &[1, 2, 7, 8]), 2);
         assert_eq!(index.longest_match(1, &[1, 2, 3]), 1);
         assert_eq!(index.longest_match(0, &[5, 1, 2]), 0);
         assert_eq!(
@@ -249,6 +446,98 @@ mod tests {
         // A mark for a block not held is ignored.
         index.mark_end(0, 77);
         assert!(!index.continues(0, &[77], 1));
+    }
+
+    #[test]
+    fn recorded_positions_cover_the_chain_and_are_bounded() {
+        for n in 0..300 {
+            for from in [0, 7, 40, 130] {
+                let positions = record_positions(n, &[], from);
+                let new = n - from.min(n);
+                assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), new);
+                assert!(positions.iter().all(|&(p, w)| (p < from) == (w == 0)));
+            }
+            let positions = record_positions(n, &[], 0);
+            assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), n, "n={n}");
+            assert!(positions.windows(2).all(|w| w[0].0 < w[1].0), "n={n}");
+            assert_eq!(positions.last().map(|&(p, _)| p), n.checked_sub(1), "n={n}");
+            assert!(positions.len() <= DENSE_BLOCKS.min(n) + n / STRIDE_BLOCKS + 1);
+            // Each weight is the distance from the previous recorded position.
+            let mut prev = None;
+            for &(p, w) in &positions {
+                assert_eq!(w, p - prev.map_or(0, |q: usize| q + 1) + 1, "n={n} p={p}");
+                prev = Some(p);
+            }
+        }
+        assert_eq!(record_positions(1024, &[], 0).len(), 16 + 63);
+        assert_eq!(record_positions(1030, &[], 0).len(), 16 + 63 + 1);
+        // A mark adds the last block before its boundary and splits the weights around it.
+        assert_eq!(
+            record_positions(40, &[21, 40, 99, 0], 0)[16..],
+            [(20, 5), (31, 11), (39, 8)]
+        );
+        // Leaving a believed match at 50: the 16 blocks from there are recorded densely.
+        let left = record_positions(100, &[], 50);
+        assert!((50..66).all(|p| left.iter().any(|&(q, w)| q == p && w == 1)));
+        // Back to checkpoint 47, refreshed only.
+        assert!(left.iter().any(|&(q, w)| q == 48 && w == 0));
+        assert!(!left.iter().any(|&(q, _)| q == 66));
+        assert_eq!(left.iter().map(|&(_, w)| w).sum::<usize>(), 50);
+        // A chain believed whole (an exact repeat) records its positions again, counting none.
+        assert_eq!(
+            record_positions(10, &[], 50),
+            (0..10).map(|p| (p, 0)).collect::<Vec<_>>()
+        );
+    }
+
+    proptest::proptest! {
+        /// The belief holds a recorded chain of `len` blocks; a request shares its first
+        /// `shared` blocks (and may be longer). Its believed match is the furthest recorded
+        /// shared position, found by the search with few probes, and falls short of the true
+        /// shared prefix by less than a stride, not at all within the dense head or when the
+        /// request extends the recorded chain.
+        #[test]
+        fn the_believed_match_is_the_furthest_recorded_shared_block(
+            len in 1usize..400,
+            shared in 0usize..400,
+            extra in 0usize..40,
+            mark in 0usize..400,
+        ) {
+            let shared = shared.min(len);
+            let n = shared + extra;
+            let recorded: std::collections::BTreeSet<usize> =
+                record_positions(len, &[mark], 0).iter().map(|&(p, _)| p).collect();
+            let holds = |p: usize| p < shared && recorded.contains(&p);
+            let mut probes = 0;
+            let (found, probed) = believed_match(n, Search::Binary, |p| { probes += 1; holds(p) });
+            let (walked, _) = believed_match(n, Search::Walk, holds);
+            proptest::prop_assert_eq!(walked, found, "prefix-closed: both searches agree");
+            let expected = (0..shared).rev().find(|&p| recorded.contains(&p)).map_or(0, |p| p + 1);
+            proptest::prop_assert_eq!(found, expected);
+            proptest::prop_assert!(found <= shared && shared - found < STRIDE_BLOCKS);
+            if shared <= DENSE_BLOCKS || shared == len || shared == mark {
+                proptest::prop_assert_eq!(found, shared);
+            }
+            proptest::prop_assert!(probed.iter().all(|&p| holds(p)));
+            proptest::prop_assert!(probes <= 2 + 10 + STRIDE_BLOCKS, "{} probes", probes);
+        }
+    }
+
+    #[test]
+    fn the_capacity_counts_the_blocks_a_recorded_block_stands_for() {
+        let mut index = PrefixIndex::new(1, 100);
+        let chain: Vec<u64> = (1..=64).collect();
+        index.record(0, &chain);
+        // 16 dense blocks, checkpoints 31 and 47 (16 each), the end 63 (16).
+        assert_eq!(index.blocks(0).count(), 19);
+        assert_eq!(index.len(0), 64);
+        assert_eq!(index.room(0).believed_blocks, 64);
+        // A second chain of 64 blocks does not fit beside it: the first one's tail goes.
+        let other: Vec<u64> = (1001..=1064).collect();
+        index.record(0, &other);
+        assert!(index.len(0) <= 100);
+        assert_eq!(index.longest_match(0, &other), 64);
+        assert!(index.longest_match(0, &chain) < 64);
     }
 
     #[test]

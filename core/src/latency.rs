@@ -1042,6 +1042,7 @@ mod tests {
             chains: vec![(0..blocks as u64).collect()],
             tokens: vec![tokens],
             block_size,
+            marks: vec![vec![]],
         }
     }
 

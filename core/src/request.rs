@@ -43,6 +43,10 @@ pub struct ParsedRequest {
     /// One entry for chat; one per element for a completions `prompt` list, since the server
     /// runs (and caches) each of them as its own sequence.
     pub prompts: Vec<Prompt>,
+    /// Chat only: the byte offsets in the prompt text where each message after the first
+    /// starts. Requests share prefixes up to message boundaries (a system prompt, a document,
+    /// the previous turns), so the belief records the blocks that end there.
+    pub boundaries: Vec<usize>,
     pub stream: bool,
     pub max_tokens: Option<u32>,
 }
@@ -90,8 +94,9 @@ pub fn parse_value(value: &Value) -> Result<ParsedRequest, RequestError> {
                 .ok_or_else(|| wrong("max_tokens", "a non-negative integer"))?,
         ),
     };
+    let mut boundaries = Vec::new();
     let prompts = if let Some(messages) = body.get("messages") {
-        vec![Prompt::Text(flatten_messages(messages)?)]
+        vec![Prompt::Text(flatten_messages(messages, &mut boundaries)?)]
     } else if let Some(prompt) = body.get("prompt") {
         completion_prompts(prompt)?
     } else {
@@ -101,6 +106,7 @@ pub fn parse_value(value: &Value) -> Result<ParsedRequest, RequestError> {
         model,
         cache_salt,
         prompts,
+        boundaries,
         stream,
         max_tokens,
     })
@@ -108,7 +114,8 @@ pub fn parse_value(value: &Value) -> Result<ParsedRequest, RequestError> {
 
 /// Chat messages flattened in order as `<|role|>\ncontent\n`, so that the same conversation
 /// always yields the same text and a longer conversation extends a shorter one's prefix.
-fn flatten_messages(messages: &Value) -> Result<String, RequestError> {
+/// `boundaries` gets the byte offset where each message after the first starts.
+fn flatten_messages(messages: &Value, boundaries: &mut Vec<usize>) -> Result<String, RequestError> {
     let list = messages
         .as_array()
         .ok_or_else(|| wrong("messages", "an array"))?;
@@ -124,6 +131,9 @@ fn flatten_messages(messages: &Value) -> Result<String, RequestError> {
             .get("role")
             .and_then(Value::as_str)
             .ok_or_else(|| wrong(format!("messages[{i}].role"), "a string"))?;
+        if i > 0 {
+            boundaries.push(text.len());
+        }
         text.push_str("<|");
         text.push_str(role);
         text.push_str("|>\n");
@@ -240,6 +250,7 @@ mod tests {
             r.prompts,
             vec![Prompt::Text("<|system|>\nbe brief\n<|user|>\nhi\n".into())]
         );
+        assert_eq!(r.boundaries, vec!["<|system|>\nbe brief\n".len()]);
     }
 
     #[test]
@@ -274,6 +285,7 @@ mod tests {
                 model: String::new(),
                 cache_salt: Some("t1".into()),
                 prompts: vec![Prompt::Text("abc".into())],
+                boundaries: vec![],
                 stream: false,
                 max_tokens: None,
             }

@@ -489,14 +489,15 @@ impl<S: PrefixStore> Router<S> {
         }
         let endpoint = decision.endpoint;
         let block_size = hashes.block_size.max(1);
-        for (chain, &tokens) in hashes.chains.iter().zip(&hashes.tokens) {
+        for (i, (chain, &tokens)) in hashes.chains.iter().zip(&hashes.tokens).enumerate() {
             // Full blocks only: a server never caches the partial last block, and believing it
             // would take room in the belief that the server's cache does not spend.
             let full = (tokens / block_size).min(chain.len());
             if full == 0 {
                 continue;
             }
-            self.store.record(endpoint, &chain[..full]);
+            let marks = hashes.marks.get(i).map_or(&[][..], Vec::as_slice);
+            self.store.record_marked(endpoint, &chain[..full], marks);
             self.store.mark_end(endpoint, chain[full - 1]);
         }
         let new_blocks = decision.total_blocks.saturating_sub(

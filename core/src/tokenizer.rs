@@ -128,6 +128,11 @@ pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
     scan(text, |_, id| emit(id));
 }
 
+/// [`for_each_token`] with the byte offset where each token's piece starts.
+pub fn for_each_token_at(text: &str, mut emit: impl FnMut(usize, u32)) {
+    scan(text, |range, id| emit(range.start, id));
+}
+
 /// Token ids of `text`, appended to `out` (so callers can reuse one buffer).
 pub fn tokenize_into(text: &str, out: &mut Vec<u32>) {
     for_each_token(text, |id| out.push(id));

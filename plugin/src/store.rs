@@ -12,6 +12,11 @@
 //!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
 //!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
 //!   with one write.
+//! * Not every block of a chain is written: core's [`record_positions`] picks the first 16,
+//!   one in 16 after, the last block before each message boundary, the 16 after the believed
+//!   match and the last, each reserving its weight of stamps (the blocks it stands for), so a
+//!   cold 16k-token prompt costs ~85 bucket writes, not ~1,000; lookups are core's
+//!   [`believed_match`] over the same positions (a binary search over the checkpoints).
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp leaves a dead position
 //!   behind (the block's old stamp), so the window is `capacity` plus the dead positions
@@ -20,8 +25,10 @@
 //!   while `capacity` others were ages out, hot or not.
 //!
 //! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
-//! core [`prefixroute_core::PrefixIndex`]'s answers; beyond that it is an approximate LRU (a
-//! re-used block survives as long as it is re-used within ~¾ of the capacity).
+//! core [`prefixroute_core::PrefixIndex`]'s answers (both record the same positions and search
+//! them the same way; core's answers are themselves bounded approximations of the longest
+//! shared prefix, see [`record_positions`]); beyond that it is an approximate LRU (a re-used
+//! block survives as long as it is re-used within ~¾ of the capacity).
 //!
 //! Reads are cached for one request (the router asks every endpoint about every block), so a
 //! request costs one `get` per bucket it touches, and the CAS writes reuse the tokens of those
@@ -30,6 +37,7 @@
 use std::cell::RefCell;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use prefixroute_core::index::{believed_match, record_positions, Search};
 use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::PrefixStore;
 
@@ -594,39 +602,14 @@ impl<H: SharedData> SharedIndex<H> {
         self.holder(hash, endpoint_id).map(|h| h.stamp)
     }
 
-    /// How many leading blocks of `chain` the endpoint holds, by binary search, and the held
-    /// positions the search looked at.
-    ///
-    /// The belief about one chain is prefix-closed by construction: every record of a block
-    /// records all the blocks before it (a block hash names its whole prefix), and the head of
-    /// a chain gets the newest stamp. So the held blocks are a leading run and `log2(blocks)`
-    /// probes find its end, where a linear walk would read one bucket per block (the cost that
-    /// dominates a warm request). Only near the capacity window's edge can stamps from
-    /// different records leave a gap, and then the answer is an approximation, as the whole
-    /// index is (a belief about caches that evict on their own).
+    /// How many leading blocks of `chain` the endpoint is believed to hold, and the held
+    /// positions the search looked at: core's [`believed_match`] (a binary search over the
+    /// recorded checkpoints, then the positions before the next one), one bucket read per
+    /// position looked at, shared by every endpoint's search.
     fn probe(&self, id: u64, view: View, chain: &[u64]) -> (usize, Vec<usize>) {
-        let holds = |i: usize| self.holder(chain[i], id).is_some_and(|h| view.holds(&h));
-        let n = chain.len();
-        if n == 0 || !holds(0) {
-            return (0, Vec::new());
-        }
-        let mut probes = vec![0];
-        if holds(n - 1) {
-            probes.push(n - 1);
-            return (n, probes);
-        }
-        // Invariant: block `lo` is held, block `hi` is not.
-        let (mut lo, mut hi) = (0, n - 1);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if holds(mid) {
-                probes.push(mid);
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        (lo + 1, probes)
+        believed_match(chain.len(), Search::Binary, |i| {
+            self.holder(chain[i], id).is_some_and(|h| view.holds(&h))
+        })
     }
 
     fn freshness(&self, h: &Holder) -> Freshness {
@@ -645,7 +628,7 @@ impl<H: SharedData> SharedIndex<H> {
         endpoint: usize,
         n: u64,
         new: u64,
-        dead: &[u64],
+        dead: &[(u64, u64)],
         restart: bool,
     ) -> Option<u64> {
         let capacity = self.endpoint_capacity(endpoint);
@@ -661,8 +644,8 @@ impl<H: SharedData> SharedIndex<H> {
                 next.fill = next.fill.saturating_add(new);
                 next.dead.fit(capacity, from);
                 next.dead.advance(from, next.clock);
-                for &stamp in dead {
-                    next.dead.kill(stamp, next.clock);
+                for &(stamp, count) in dead {
+                    next.dead.kill_many(stamp, count, next.clock);
                 }
             }
             Some(next)
@@ -793,7 +776,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         self.probe(id, self.view(endpoint), chain).0
     }
 
-    fn record(&mut self, endpoint: usize, chain: &[u64]) {
+    fn record_marked(&mut self, endpoint: usize, chain: &[u64], marks: &[usize]) {
         let Some(id) = self.ids.id(endpoint) else {
             return;
         };
@@ -805,36 +788,67 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             self.stamp(hash, id)
                 .map_or(true, |s| clock.saturating_sub(s) >= refresh_after)
         };
+        // A block of the matched prefix is re-stamped only if recorded here before (as core
+        // refreshes only the blocks it holds): its blocks are counted already.
+        let needs_refresh = |hash: u64| {
+            self.stamp(hash, id)
+                .is_some_and(|s| clock.saturating_sub(s) >= refresh_after)
+        };
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
         // then reading every block of it again would only confirm that. When one is old
         // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
         // records of a hot prefix). The unmatched tail always needs stamps.
         let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
-        let stale: Vec<usize> = (0..chain.len())
-            .filter(|&i| i >= matched || (refresh_prefix && needs_stamp(chain[i])))
-            .collect();
+        // The matched prefix, when refreshed, is refreshed whole, one position per block it
+        // holds, as core refreshes every block it holds there. Of the rest, only the recorded
+        // positions (core's `record_positions`) are written, each standing for its weight of
+        // clock positions, so the window still counts blocks as core's LRU does.
+        let mut stale: Vec<(usize, u64)> = Vec::new();
+        if refresh_prefix {
+            stale.extend(
+                (0..matched)
+                    .filter(|&i| needs_refresh(chain[i]))
+                    .map(|i| (i, 1)),
+            );
+        }
+        stale.extend(
+            record_positions(chain.len(), marks, matched)
+                .into_iter()
+                .filter(|&(i, _)| i >= matched)
+                .map(|(i, weight)| (i, weight as u64)),
+        );
         if stale.is_empty() {
             return;
         }
-        let n = stale.len() as u64;
+        let n: u64 = stale.iter().map(|&(_, weight)| weight).sum();
         let new = chain.len().saturating_sub(matched) as u64;
         // The stamps these replace: positions that die inside the window and widen it.
-        let dead: Vec<u64> = stale
+        let dead: Vec<(u64, u64)> = stale
             .iter()
-            .filter_map(|&i| self.stamp(chain[i], id))
-            .filter(|&s| held(clock, s, window))
+            .filter_map(|&(i, weight)| Some((self.stamp(chain[i], id)?, weight)))
+            .filter(|&(s, _)| held(clock, s, window))
             .collect();
         let Some(new_clock) = self.advance_clock(endpoint, n, new, &dead, false) else {
             return;
         };
-        // Stamps new_clock−n+1 ..= new_clock; the chain's head gets the newest, so when the
-        // window slides the tail of a prompt ages out before its shared head (as in core).
-        self.queue_by_bucket(stale.iter().enumerate().map(|(k, &i)| Update {
-            endpoint: id,
-            hash: chain[i],
-            stamp: new_clock - k as u64,
-            ..Update::default()
-        }));
+        // Stamps new_clock−n+1 ..= new_clock in chain order, the head newest, so when the
+        // window slides the tail of a prompt ages out before its shared head (as in core): a
+        // block standing for `weight` positions takes the oldest of them, ageing out when the
+        // last block it stands for would.
+        let mut before = 0;
+        let updates: Vec<Update> = stale
+            .iter()
+            .map(|&(i, weight)| {
+                before += weight;
+                Update {
+                    endpoint: id,
+                    hash: chain[i],
+                    stamp: new_clock - (before - 1),
+                    ..Update::default()
+                }
+            })
+            .collect();
+        self.queue_by_bucket(updates.into_iter());
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {
@@ -922,6 +936,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 mod tests {
     use super::*;
     use crate::shared::{bucket_key, MemShared};
+    use prefixroute_core::index::{DENSE_BLOCKS, STRIDE_BLOCKS};
     use prefixroute_core::PrefixIndex;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
@@ -1136,15 +1151,47 @@ mod tests {
             "only the clock reservation so far"
         );
         s.end_request();
-        // ...and the end mark rode on the block's own write: one set per bucket touched.
-        let buckets: std::collections::BTreeSet<u64> = chain
+        // ...and the end mark rode on the block's own write: one set per bucket touched by
+        // a recorded position (the 16 dense ones, checkpoint 31 and the end, 39).
+        let buckets: std::collections::BTreeSet<u64> = record_positions(chain.len(), &[], 0)
             .iter()
-            .map(|h| h & ((1 << s.table_bits()) - 1))
+            .map(|&(p, _)| chain[p] & ((1 << s.table_bits()) - 1))
             .collect();
+        assert_eq!(record_positions(chain.len(), &[], 0).len(), 18);
         let (_, sets_after) = host.calls();
         assert_eq!(sets_after - sets_mid, buckets.len() as u64);
         s.begin_request();
         assert!(s.continues(0, &chain, 40), "visible to the next request");
+    }
+
+    #[test]
+    fn a_cold_prompt_costs_writes_per_checkpoint_not_per_block() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(3), 31_250);
+        // A cold 16k-token prompt: 1,024 blocks of spread-out hashes.
+        let chain: Vec<u64> = (1..=1024u64)
+            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        s.begin_request();
+        let (_, before) = host.calls();
+        s.record(0, &chain);
+        s.mark_end(0, chain[1023]);
+        s.end_request();
+        let (_, after) = host.calls();
+        // 16 dense blocks + 63 checkpoints (31, 47, …, 1023) + the endpoint's clock.
+        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 1) as u64;
+        assert!(after - before <= bound, "{} sets > {bound}", after - before);
+        assert!(after - before < 1024 / 10);
+        // The belief still matches it whole, and counts every block against the capacity.
+        s.begin_request();
+        assert_eq!(s.longest_match(0, &chain), 1024);
+        assert!(s.continues(0, &chain, 1024));
+        assert_eq!(s.room(0).believed_blocks, 1024);
+        // A prompt sharing 500 blocks of it is believed to share the last checkpoint before.
+        let mut other = chain[..500].to_vec();
+        other.extend((0..20u64).map(|k| k ^ 0x5555));
+        assert_eq!(s.longest_match(0, &other), 496);
+        s.end_request();
     }
 
     #[test]

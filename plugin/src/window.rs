@@ -101,12 +101,19 @@ impl DeadStamps {
     /// at `clock`. Positions older than the ring are not tracked (the window never reaches
     /// them).
     pub fn kill(&mut self, stamp: u64, clock: u64) {
+        self.kill_many(stamp, 1, clock);
+    }
+
+    /// [`Self::kill`] for a recorded block that stood for `count` positions (counted in its
+    /// stamp's epoch).
+    pub fn kill_many(&mut self, stamp: u64, count: u64, clock: u64) {
         let (e, newest) = (self.epoch(stamp), self.epoch(clock));
         if e > newest || newest - e >= EPOCHS as u64 {
             return;
         }
         let slot = self.slot(e);
-        self.counts[slot] = self.counts[slot].saturating_add(1);
+        let count = u16::try_from(count).unwrap_or(u16::MAX);
+        self.counts[slot] = self.counts[slot].saturating_add(count);
     }
 
     /// The window at `clock`: the age at which the live positions reach `capacity`, never

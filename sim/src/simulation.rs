@@ -26,7 +26,6 @@ use prefixroute_core::hashing::{hash_request, BlockHashes};
 use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
 use prefixroute_core::request::{parse_value, RequestError};
 use prefixroute_core::router::{Decision, EndpointLoad, Router, RouterConfig};
-use prefixroute_core::PrefixStore;
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SimError {
@@ -472,7 +471,7 @@ impl Simulation {
                         if let Some((chain, _)) = prompts.get(p) {
                             self.router
                                 .store_mut()
-                                .record(endpoint, &chain[first..first + len]);
+                                .record_blocks(endpoint, &chain[first..first + len]);
                         }
                     }
                     crate::replica::CacheChange::Evicted(h) => {

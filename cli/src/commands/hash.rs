@@ -38,6 +38,7 @@ pub fn run(args: Args) -> Result<()> {
             model: String::new(),
             cache_salt: None,
             prompts: vec![Prompt::Text(text)],
+            boundaries: Vec::new(),
             stream: false,
             max_tokens: None,
         }

@@ -1,5 +1,6 @@
-//! One endpoint's believed blocks: an LRU set of block hashes, each with an end mark, in about
-//! 21 bytes per block.
+//! One endpoint's believed blocks: an LRU set of block hashes, each with an end mark and the
+//! number of blocks it stands for (see [`super::record_positions`]), in about 22 bytes per
+//! entry.
 //!
 //! A general LRU map (`lru::LruCache<u64, bool>`) spends ~68 bytes per entry: a heap node per
 //! entry with two pointers, plus a hash table of pointers. Here every block is one 16-byte node
@@ -24,6 +25,10 @@ pub(crate) struct BlockLru {
     nodes: Vec<Node>,
     /// One bit per node: a recorded request's full blocks ended at that block.
     ends: Vec<u64>,
+    /// Per node, the blocks it stands for (0 to 255): the capacity counts blocks, not nodes.
+    weights: Vec<u8>,
+    /// Sum of `weights`.
+    blocks: usize,
     /// Node numbers by home slot; `NIL` = empty.
     slots: Vec<u32>,
     /// Most and least recently used nodes.
@@ -42,6 +47,8 @@ impl BlockLru {
         BlockLru {
             nodes: Vec::new(),
             ends: Vec::new(),
+            weights: Vec::new(),
+            blocks: 0,
             slots: vec![NIL; table_for(capacity.clamp(1, 64))],
             head: NIL,
             tail: NIL,
@@ -50,8 +57,15 @@ impl BlockLru {
         }
     }
 
+    /// Entries (recorded blocks).
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
+    }
+
+    /// Blocks the entries stand for (what the capacity bounds).
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -60,6 +74,12 @@ impl BlockLru {
 
     pub(crate) fn cap(&self) -> usize {
         self.capacity
+    }
+
+    /// Entries of weight 0 count no blocks, so entries may outnumber the capacity; this bounds
+    /// them (and the table) all the same.
+    fn max_entries(&self) -> usize {
+        self.capacity.saturating_mul(2)
     }
 
     fn home(&self, hash: u64) -> usize {
@@ -159,7 +179,7 @@ impl BlockLru {
     }
 
     fn grow_table(&mut self) {
-        let size = (self.slots.len() * 2).min(table_for(self.capacity));
+        let size = (self.slots.len() * 2).min(table_for(self.max_entries()));
         self.slots = vec![NIL; size];
         for node in 0..self.nodes.len() as u32 {
             self.place(node);
@@ -167,14 +187,30 @@ impl BlockLru {
     }
 
     /// Makes `hash` the most recently used block, inserting it (end mark cleared) and
-    /// evicting the least recently used block if the set is full.
+    /// evicting least recently used blocks while the entries stand for more than the
+    /// capacity (never the one just touched).
     pub(crate) fn touch(&mut self, hash: u64) {
+        self.touch_weighted(hash, 1);
+    }
+
+    /// Makes `hash` the most recently used block if held, keeping its weight.
+    pub(crate) fn refresh(&mut self, hash: u64) {
         if let Some(node) = self.find(hash) {
             self.unlink(node);
             self.push_front(node);
-            return;
         }
-        let node = if self.nodes.len() < self.capacity {
+    }
+
+    /// [`Self::touch`] for an entry that stands for `weight` blocks (at most 255; 0 for a block
+    /// whose blocks another entry counts).
+    pub(crate) fn touch_weighted(&mut self, hash: u64, weight: usize) {
+        let weight = weight.min(u8::MAX as usize) as u8;
+        if let Some(node) = self.find(hash) {
+            self.unlink(node);
+            self.push_front(node);
+            self.blocks = self.blocks - usize::from(self.weights[node]) + usize::from(weight);
+            self.weights[node] = weight;
+        } else {
             if (self.nodes.len() + 1) * 8 > self.slots.len() * 7 {
                 self.grow_table();
             }
@@ -183,23 +219,22 @@ impl BlockLru {
                 prev: NIL,
                 next: NIL,
             });
+            self.weights.push(weight);
+            self.blocks += usize::from(weight);
             if self.nodes.len() > self.ends.len() * 64 {
                 self.ends.push(0);
             }
-            self.nodes.len() - 1
-        } else {
-            // Full: the least recently used node is the new one.
-            let victim = self.tail as usize;
-            if let Some(slot) = self.slot_of(self.nodes[victim].hash) {
-                self.vacate(slot);
-            }
-            self.unlink(victim);
-            self.nodes[victim].hash = hash;
-            victim
-        };
-        self.set_end(node, false);
-        self.place(node as u32);
-        self.push_front(node);
+            let node = self.nodes.len() - 1;
+            self.set_end(node, false);
+            self.place(node as u32);
+            self.push_front(node);
+        }
+        while (self.blocks > self.capacity || self.nodes.len() > self.max_entries())
+            && self.tail != self.head
+        {
+            let victim = self.nodes[self.tail as usize].hash;
+            self.remove(victim);
+        }
     }
 
     pub(crate) fn contains(&self, hash: u64) -> bool {
@@ -227,6 +262,7 @@ impl BlockLru {
         let node = self.slots[slot] as usize;
         self.vacate(slot);
         self.unlink(node);
+        self.blocks -= usize::from(self.weights[node]);
         let last = self.nodes.len() - 1;
         if node != last {
             // Re-point everything that names `last` at `node`.
@@ -236,6 +272,7 @@ impl BlockLru {
                 self.slots[s] = node as u32;
             }
             self.nodes[node] = moved;
+            self.weights[node] = self.weights[last];
             match moved.prev {
                 NIL => self.head = node as u32,
                 p => self.nodes[p as usize].next = node as u32,
@@ -248,6 +285,7 @@ impl BlockLru {
         }
         self.set_end(last, false);
         self.nodes.pop();
+        self.weights.pop();
     }
 
     pub(crate) fn clear(&mut self) {
@@ -270,23 +308,28 @@ impl BlockLru {
     /// Changes the capacity; shrinking keeps the most recently used blocks (and their marks).
     pub(crate) fn resize(&mut self, capacity: usize) {
         let capacity = capacity.clamp(1, NIL as usize - 1);
-        if capacity >= self.nodes.len() {
+        if capacity >= self.blocks {
             self.capacity = capacity;
             return;
         }
-        let kept: Vec<(u64, bool)> = {
-            let mut out = Vec::with_capacity(capacity);
-            let mut node = self.head;
-            while node != NIL && out.len() < capacity {
-                out.push((self.nodes[node as usize].hash, self.end(node as usize)));
-                node = self.nodes[node as usize].next;
+        let kept: Vec<(u64, bool, u8)> = {
+            let mut out = Vec::new();
+            let (mut node, mut blocks) = (self.head, 0);
+            while node != NIL {
+                let n = node as usize;
+                blocks += usize::from(self.weights[n]);
+                if blocks > capacity && !out.is_empty() {
+                    break;
+                }
+                out.push((self.nodes[n].hash, self.end(n), self.weights[n]));
+                node = self.nodes[n].next;
             }
             out
         };
         *self = BlockLru::new(capacity);
         // Oldest first, so the most recent ends at the front again.
-        for &(hash, end) in kept.iter().rev() {
-            self.touch(hash);
+        for &(hash, end, weight) in kept.iter().rev() {
+            self.touch_weighted(hash, usize::from(weight));
             if end {
                 self.mark_end(hash);
             }
@@ -300,30 +343,51 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::VecDeque;
 
-    /// The obvious LRU: a deque, most recent first.
+    /// The obvious weighted LRU: a deque of (hash, end, weight), most recent first.
     #[derive(Default)]
     struct Model {
-        order: VecDeque<(u64, bool)>,
+        order: VecDeque<(u64, bool, usize)>,
         capacity: usize,
     }
 
     impl Model {
-        fn touch(&mut self, hash: u64) {
-            if let Some(pos) = self.order.iter().position(|(h, _)| *h == hash) {
-                let entry = self.order.remove(pos).unwrap();
-                self.order.push_front(entry);
-                return;
-            }
-            if self.order.len() == self.capacity {
+        fn blocks(&self) -> usize {
+            self.order.iter().map(|e| e.2).sum()
+        }
+
+        fn touch(&mut self, hash: u64, weight: usize) {
+            let end = match self.order.iter().position(|e| e.0 == hash) {
+                Some(pos) => self.order.remove(pos).unwrap().1,
+                None => false,
+            };
+            self.order.push_front((hash, end, weight));
+            while (self.blocks() > self.capacity || self.order.len() > 2 * self.capacity)
+                && self.order.len() > 1
+            {
                 self.order.pop_back();
             }
-            self.order.push_front((hash, false));
+        }
+
+        fn shrink(&mut self, capacity: usize) {
+            self.capacity = capacity;
+            let mut blocks = 0;
+            let keep = self
+                .order
+                .iter()
+                .take_while(|e| {
+                    blocks += e.2;
+                    blocks <= capacity
+                })
+                .count()
+                .min(2 * capacity)
+                .max(1);
+            self.order.truncate(keep);
         }
     }
 
     #[derive(Debug, Clone)]
     enum Op {
-        Touch(u64),
+        Touch(u64, usize),
         Mark(u64),
         Remove(u64),
         Resize(usize),
@@ -333,7 +397,8 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         // Few distinct keys, so that hits, evictions and probe-run collisions all happen.
         prop_oneof![
-            8 => (0u64..40).prop_map(Op::Touch),
+            6 => (0u64..40).prop_map(|h| Op::Touch(h, 1)),
+            2 => (0u64..40, 0usize..6).prop_map(|(h, w)| Op::Touch(h, w)),
             2 => (0u64..40).prop_map(Op::Mark),
             3 => (0u64..40).prop_map(Op::Remove),
             1 => (1usize..20).prop_map(Op::Resize),
@@ -348,29 +413,29 @@ mod tests {
             let mut model = Model { capacity, ..Model::default() };
             for op in ops {
                 match op {
-                    Op::Touch(h) => { lru.touch(h); model.touch(h); }
+                    Op::Touch(h, w) => { lru.touch_weighted(h, w); model.touch(h, w); }
                     Op::Mark(h) => {
                         lru.mark_end(h);
-                        if let Some(e) = model.order.iter_mut().find(|(k, _)| *k == h) { e.1 = true; }
+                        if let Some(e) = model.order.iter_mut().find(|e| e.0 == h) { e.1 = true; }
                     }
                     Op::Resize(c) => {
                         lru.resize(c);
-                        model.capacity = c;
-                        model.order.truncate(c);
+                        if c < model.blocks() { model.shrink(c) } else { model.capacity = c; }
                     }
                     Op::Remove(h) => {
                         lru.remove(h);
-                        model.order.retain(|(k, _)| *k != h);
+                        model.order.retain(|e| e.0 != h);
                     }
                     Op::Clear => { lru.clear(); model.order.clear(); }
                 }
                 prop_assert_eq!(lru.len(), model.order.len());
+                prop_assert_eq!(lru.blocks(), model.blocks());
                 prop_assert_eq!(lru.cap(), model.capacity);
                 let order: Vec<u64> = lru.iter().collect();
-                let expected: Vec<u64> = model.order.iter().map(|(h, _)| *h).collect();
+                let expected: Vec<u64> = model.order.iter().map(|e| e.0).collect();
                 prop_assert_eq!(order, expected);
                 for k in 0u64..40 {
-                    let expected = model.order.iter().find(|(h, _)| *h == k).map(|(_, e)| *e);
+                    let expected = model.order.iter().find(|e| e.0 == k).map(|e| e.1);
                     prop_assert_eq!(lru.peek_end(k), expected);
                     prop_assert_eq!(lru.contains(k), expected.is_some());
                 }
