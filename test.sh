@@ -40,7 +40,7 @@ cargo clippy -p prefixroute-plugin --target wasm32-wasip1 -- -D warnings
 step "core builds for both wasm targets; the plugin builds (release)"
 cargo build -p prefixroute-core --target wasm32-wasip1
 cargo build -p prefixroute-core --target wasm32-unknown-unknown
-cargo build -p prefixroute-plugin --target wasm32-wasip1 --release
+cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm
 
 step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace

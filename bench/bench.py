@@ -1139,7 +1139,7 @@ def main():
     p.add_argument("--out", default=None, help="results directory (default: bench/results/<time>)")
     p.add_argument("--prefixroute", default=str(TARGET / "release" / "prefixroute"))
     p.add_argument("--plugin-wasm",
-                   default=str(TARGET / "wasm32-wasip1" / "release" / "prefixroute_plugin.wasm"))
+                   default=str(TARGET / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"))
     p.add_argument("--envoy", default=os.environ.get("ENVOY", str(ROOT / ".venv/bin/envoy")))
     args = p.parse_args()
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
 CLI = TARGET / "debug" / "prefixroute"
-WASM = TARGET / "wasm32-wasip1" / "release" / "prefixroute_plugin.wasm"
+WASM = TARGET / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"
 ENVOY = Path(os.environ.get("ENVOY") or ROOT / ".venv" / "bin" / "envoy")
 
 REPLICAS = 3

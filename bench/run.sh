@@ -17,10 +17,10 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 "$here/setup.sh"
 echo "bench: building the CLI and the plugin (release) ..." >&2
 cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
 
 exec python3 "$here/bench.py" \
   --prefixroute "$target/release/prefixroute" \
-  --plugin-wasm "$target/wasm32-wasip1/release/prefixroute_plugin.wasm" \
+  --plugin-wasm "$target/wasm32-wasip1/wasm/prefixroute_plugin.wasm" \
   --envoy "$root/.venv/bin/envoy" \
   "$@"

@@ -13,7 +13,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 # The debug CLI (test.sh's `cargo test` has built it) is enough for a smoke run; the plugin is
 # always the release build, as deployed.
 cargo build --quiet --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
 
 # Peers and wrk are best effort here: without them the smoke run skips that part.
 if ! timeout 180 "$here/setup.sh" --peers-only sglang-router; then
@@ -28,5 +28,5 @@ fi
 out="$(mktemp -d "${TMPDIR:-/tmp}/prefixroute-bench-smoke.XXXXXX")"
 timeout 300 python3 "$here/bench.py" --smoke --out "$out" \
   --prefixroute "$target/debug/prefixroute" \
-  --plugin-wasm "$target/wasm32-wasip1/release/prefixroute_plugin.wasm" \
+  --plugin-wasm "$target/wasm32-wasip1/wasm/prefixroute_plugin.wasm" \
   --envoy "$root/.venv/bin/envoy"

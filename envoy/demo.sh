@@ -13,10 +13,10 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 "$root/envoy/setup.sh"
 echo "building the CLI and the plugin (release) ..." >&2
 cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
 
 exec "$target/release/prefixroute" compare \
   --envoy "$root/.venv/bin/envoy" \
-  --plugin-wasm "$target/wasm32-wasip1/release/prefixroute_plugin.wasm" \
+  --plugin-wasm "$target/wasm32-wasip1/wasm/prefixroute_plugin.wasm" \
   --scrape-interval-ms 250 --scrape-timeout-ms 200 --stale-after-ms 2000 \
   "$@"

@@ -327,13 +327,13 @@ pub fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf> {
         )
 }
 
-/// `--plugin`, then `$PREFIXROUTE_PLUGIN`, then the release build in the target directory.
+/// `--plugin`, then `$PREFIXROUTE_PLUGIN`, then the `wasm` profile build in the target directory.
 pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = explicit {
         anyhow::ensure!(path.is_file(), "--plugin {}: no such file", path.display());
         return Ok(path.to_path_buf());
     }
-    let relative = "wasm32-wasip1/release/prefixroute_plugin.wasm";
+    let relative = "wasm32-wasip1/wasm/prefixroute_plugin.wasm";
     let exe_target = std::env::current_exe()
         .ok()
         .and_then(|exe| Some(exe.parent()?.parent()?.join(relative)));
@@ -349,7 +349,7 @@ pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
         .find(|p| p.is_file())
         .context(
             "plugin not found: pass --plugin PATH or build it with \
-         `cargo build -p prefixroute-plugin --target wasm32-wasip1 --release`",
+         `cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm`",
         )
 }
 

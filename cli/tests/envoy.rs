@@ -279,7 +279,7 @@ fn envoy_validates(config: &std::path::Path) {
 fn plugin_wasm() -> String {
     let target = std::env::var("CARGO_TARGET_DIR")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target").to_string());
-    format!("{target}/wasm32-wasip1/release/prefixroute_plugin.wasm")
+    format!("{target}/wasm32-wasip1/wasm/prefixroute_plugin.wasm")
 }
 
 #[test]

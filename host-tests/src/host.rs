@@ -165,10 +165,10 @@ impl Plugin {
 }
 
 const BUILD: &str = "CARGO_TARGET_DIR=/tmp/target-host cargo build -p prefixroute-plugin \
-                     --target wasm32-wasip1 --release";
+                     --target wasm32-wasip1 --profile wasm";
 
 /// Finds `prefixroute_plugin.wasm`: `$PREFIXROUTE_PLUGIN_WASM`, else
-/// `$CARGO_TARGET_DIR/wasm32-wasip1/release/`, else `<repo>/target/wasm32-wasip1/release/`,
+/// `$CARGO_TARGET_DIR/wasm32-wasip1/wasm/`, else `<repo>/target/wasm32-wasip1/wasm/`,
 /// else next to the running test binary's target directory. A default-located build older
 /// than the plugin's or core's sources is refused: testing yesterday's plugin proves nothing.
 pub fn locate_plugin() -> Result<PathBuf, String> {
@@ -188,7 +188,7 @@ pub fn locate_plugin() -> Result<PathBuf, String> {
             ))
         };
     }
-    let artifact = Path::new("wasm32-wasip1/release/prefixroute_plugin.wasm");
+    let artifact = Path::new("wasm32-wasip1/wasm/prefixroute_plugin.wasm");
     let mut candidates = Vec::new();
     if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
         candidates.push(PathBuf::from(dir).join(artifact));

@@ -4,7 +4,7 @@
 Used to check that the plugin links only proxy-wasm ABI 0.2.1 host functions (module "env")
 and WASI preview1 (module "wasi_snapshot_preview1").
 
-    python3 plugin/dev/wasm_imports.py /tmp/target-plugin/wasm32-wasip1/release/prefixroute_plugin.wasm
+    python3 plugin/dev/wasm_imports.py /tmp/target-plugin/wasm32-wasip1/wasm/prefixroute_plugin.wasm
 """
 import sys
 
