@@ -37,7 +37,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p prefixroute-plugin --target wasm32-wasip1 -- -D warnings
 
-step "core builds for both wasm targets; the plugin builds (release)"
+step "core builds for both wasm targets; the plugin builds (wasm profile)"
 cargo build -p prefixroute-core --target wasm32-wasip1
 cargo build -p prefixroute-core --target wasm32-unknown-unknown
 cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm

@@ -24,7 +24,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-fn main() {
+/// Fills an 8-endpoint index of llm-d's default capacity with chains of `chain_blocks` blocks
+/// and prints its heap bytes per believed (block, endpoint) pair and per recorded entry.
+fn fill(chain_blocks: usize) {
     let endpoints = 8;
     let capacity = 31_250;
     let before = LIVE.load(Ordering::Relaxed);
@@ -32,18 +34,29 @@ fn main() {
     let empty = LIVE.load(Ordering::Relaxed) - before;
     let mut next: u64 = 1;
     for endpoint in 0..endpoints {
-        let chain: Vec<u64> = (0..capacity as u64)
-            .map(|i| next.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-            .collect();
-        next = next.wrapping_add(capacity as u64);
-        index.record(endpoint, &chain);
+        for _ in 0..capacity / chain_blocks {
+            let chain: Vec<u64> = (0..chain_blocks as u64)
+                .map(|i| next.wrapping_add(i).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                .collect();
+            next = next.wrapping_add(chain_blocks as u64);
+            index.record(endpoint, &chain);
+        }
     }
     let full = LIVE.load(Ordering::Relaxed) - before;
-    let entries = endpoints * capacity;
-    println!("endpoints {endpoints}, capacity {capacity} blocks each, {entries} entries");
-    println!("empty index: {empty} B (tables grow with the entries)");
+    let believed: usize = (0..endpoints).map(|e| index.len(e)).sum();
+    let entries: usize = (0..endpoints).map(|e| index.blocks(e).count()).sum();
     println!(
-        "full index:  {full} B = {:.1} B per block-endpoint entry",
+        "chains of {chain_blocks} blocks: {endpoints} endpoints x {capacity} blocks, \
+         {believed} believed, {entries} recorded; empty {empty} B, full {full} B = \
+         {:.1} B per believed block-endpoint pair, {:.1} B per recorded entry",
+        full as f64 / believed as f64,
         full as f64 / entries as f64
     );
+}
+
+fn main() {
+    // Short chains record every block (the worst case per believed block); long ones one in
+    // 16 beyond their first 16 blocks.
+    fill(16);
+    fill(1_000);
 }

@@ -26,27 +26,28 @@ pub fn is_checkpoint(p: usize) -> bool {
 }
 
 /// The positions of a chain of `n` blocks the belief records, in order, each with the number
-/// of new blocks it stands for (itself and the unrecorded ones before it, from `from` on):
-/// every
-/// [checkpoint](is_checkpoint), the last block of each prefix in `marks` (block counts: where
-/// the request's messages begin, see [`crate::hashing::BlockHashes::marks`]), and the last
-/// block, where the request ends; and densely the blocks around `from`, the request's
-/// believed match on the endpoint before this record, where it leaves what is believed there
-/// (see [`window`]). Positions before `from` have weight 0: their blocks are believed
-/// already, and a store only refreshes the ones it holds (it never adds them: their blocks
-/// are counted).
+/// of new blocks it stands for (itself and the unrecorded ones before it, counted from `from`):
+///
+/// * every [checkpoint](is_checkpoint);
+/// * the last block of each prefix in `marks` (block counts: where the request's messages
+///   begin, see [`crate::hashing::BlockHashes::marks`]);
+/// * densely, the blocks around `from`, the request's believed match on the endpoint before
+///   this record, where it leaves what is believed there (see [`window`]);
+/// * the last block, where the request ends.
+///
+/// Positions before `from` have weight 0: their blocks are believed and counted already, and
+/// a store only refreshes the ones it holds there, it never adds them.
 ///
 /// Recording fewer blocks is what bounds a cold prompt's cost in the plugin (one shared-data
 /// write per recorded block); the weights keep the capacity counting blocks, as the server's
-/// cache does. What it costs: a match is found at recorded positions only, so the believed
-/// match of a chain that shares a recorded chain's prefix can fall short of the true shared
-/// prefix by fewer than [`STRIDE_BLOCKS`] blocks, never within the first [`DENSE_BLOCKS`]
-/// blocks, and never when the shared prefix ends where the recorded request ended (the next
-/// turn of a conversation, an exact repeat) or where one of its messages began (a shared
-/// system prompt or document): see [`believed_match`]. Nor once a second request sharing that
-/// prefix was recorded: it left the first at most a stride before the true end of the shared
-/// prefix and recorded the blocks after densely (a document and its questions in one
-/// message: only the second question's match is short).
+/// cache does. What it costs: a match is found at recorded positions only (see
+/// [`believed_match`]), so the believed match of a chain that shares part of a recorded chain
+/// can fall short of the true shared prefix by fewer than [`STRIDE_BLOCKS`] blocks. Never
+/// within the first [`DENSE_BLOCKS`] blocks, never when the shared prefix ends where the
+/// recorded request ended (the next turn of a conversation, an exact repeat) or where one of
+/// its messages began (a system prompt, a document in its own message), and only once for a
+/// prefix that ends inside a message (a document and its question in one): the request that
+/// fell short records the blocks after its match densely, so the next one finds the end.
 pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {
     let mut positions: Vec<usize> = (0..n.min(DENSE_BLOCKS))
         .chain((DENSE_BLOCKS + STRIDE_BLOCKS - 1..n).step_by(STRIDE_BLOCKS))
@@ -90,7 +91,7 @@ fn window(from: usize, n: usize) -> std::ops::Range<usize> {
     start.min(n)..from.saturating_add(STRIDE_BLOCKS).min(n)
 }
 
-/// The checkpoint positions of a chain of `n` blocks, `k`-th first (for the binary search).
+/// The `k`-th checkpoint position (from 0).
 fn checkpoint(k: usize) -> usize {
     if k < DENSE_BLOCKS {
         k
@@ -99,6 +100,7 @@ fn checkpoint(k: usize) -> usize {
     }
 }
 
+/// How many checkpoints lie in a chain of `n` blocks.
 fn checkpoints(n: usize) -> usize {
     if n <= DENSE_BLOCKS {
         n
