@@ -122,15 +122,22 @@ fn the_fake_servers_events_decode_with_vllms_schema() {
 }
 
 fn relay(publishers: &[(u16, &str)], block_size: usize) -> (Killed, u16) {
-    let port = free_port();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--block-size", &block_size.to_string()]);
+    let mut args = vec!["--block-size".to_string(), block_size.to_string()];
     for (http_port, endpoint) in publishers {
-        cmd.args(["--publisher", &format!("127.0.0.1:{http_port}={endpoint}")]);
+        args.push("--publisher".into());
+        args.push(format!("127.0.0.1:{http_port}={endpoint}"));
     }
+    start_relay(&args)
+}
+
+/// `prefixroute kv-events --listen 127.0.0.1:<free port> ARGS…`, once it accepts connections.
+fn start_relay(args: &[String]) -> (Killed, u16) {
+    let port = free_port();
     let child = Killed(
-        cmd.stdin(Stdio::null())
+        Command::new(BIN)
+            .args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
+            .args(args)
+            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -363,23 +370,14 @@ fn an_evicted_prefix_is_routed_cold_with_precise_events_and_believed_with_the_ap
 
 #[test]
 fn publishers_that_connect_to_a_bound_relay_are_known_by_their_topic() {
-    let (zmq, port) = (free_port(), free_port());
+    let zmq = free_port();
     let bind = format!("tcp://127.0.0.1:{zmq}");
-    let _relay = Killed(
-        Command::new(BIN)
-            .args(["kv-events", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--bind", &bind, "--max-servers", "8"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "relay did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (_relay, port) = start_relay(&[
+        "--bind".into(),
+        bind.clone(),
+        "--max-servers".into(),
+        "8".into(),
+    ]);
     let server = FakeServer::start("kv-pod", &["--kv-events-to", &bind]);
     let address = format!("127.0.0.1:{}", server.port);
     // ZMQ's slow joiner: until the relay's subscription has reached the publisher, what it

@@ -20,15 +20,10 @@ pub const DENSE_BLOCKS: usize = 16;
 /// 16k-token prompt costs the plugin ~80 shared-data writes instead of ~1,000.
 pub const STRIDE_BLOCKS: usize = 16;
 
-/// Whether position `p` (from 0) is one of the positions every chain records.
-pub fn is_checkpoint(p: usize) -> bool {
-    p < DENSE_BLOCKS || (p + 1).is_multiple_of(STRIDE_BLOCKS)
-}
-
 /// The positions of a chain of `n` blocks the belief records, in order, each with the number
 /// of new blocks it stands for (itself and the unrecorded ones before it, counted from `from`):
 ///
-/// * every [checkpoint](is_checkpoint);
+/// * every checkpoint: the first [`DENSE_BLOCKS`] blocks, then every [`STRIDE_BLOCKS`]-th;
 /// * the last block of each prefix in `marks` (block counts: where the request's messages
 ///   begin, see [`crate::hashing::BlockHashes::marks`]);
 /// * densely, the blocks around `from`, the request's believed match on the endpoint before
@@ -49,8 +44,8 @@ pub fn is_checkpoint(p: usize) -> bool {
 /// prefix that ends inside a message (a document and its question in one): the request that
 /// fell short records the blocks after its match densely, so the next one finds the end.
 pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {
-    let mut positions: Vec<usize> = (0..n.min(DENSE_BLOCKS))
-        .chain((DENSE_BLOCKS + STRIDE_BLOCKS - 1..n).step_by(STRIDE_BLOCKS))
+    let mut positions: Vec<usize> = (0..checkpoints(n))
+        .map(checkpoint)
         .chain(window(from, n))
         .chain(
             marks

@@ -177,38 +177,40 @@ mod tests {
     use super::*;
     use crate::schema::{EngineHash, Event, EventBatch};
 
-    fn stored(seq: u64, engine: u64, tokens: Vec<u32>) -> Message {
+    fn message(seq: u64, event: Event) -> Message {
         Message {
             topic: String::new(),
             seq,
             batch: EventBatch {
                 ts: 0.0,
-                events: vec![Event::BlockStored {
-                    block_hashes: vec![EngineHash(engine)],
-                    parent_block_hash: None,
-                    token_ids: tokens,
-                    block_size: 2,
-                    lora_id: None,
-                    medium: None,
-                }],
+                events: vec![event],
                 data_parallel_rank: None,
             },
         }
     }
 
-    fn removed(seq: u64, engine: u64) -> Message {
-        Message {
-            topic: String::new(),
+    fn stored(seq: u64, engine: u64, tokens: Vec<u32>) -> Message {
+        message(
             seq,
-            batch: EventBatch {
-                ts: 0.0,
-                events: vec![Event::BlockRemoved {
-                    block_hashes: vec![EngineHash(engine)],
-                    medium: None,
-                }],
-                data_parallel_rank: None,
+            Event::BlockStored {
+                block_hashes: vec![EngineHash(engine)],
+                parent_block_hash: None,
+                token_ids: tokens,
+                block_size: 2,
+                lora_id: None,
+                medium: None,
             },
-        }
+        )
+    }
+
+    fn removed(seq: u64, engine: u64) -> Message {
+        message(
+            seq,
+            Event::BlockRemoved {
+                block_hashes: vec![EngineHash(engine)],
+                medium: None,
+            },
+        )
     }
 
     fn feed(max_log: usize) -> Feed {

@@ -784,16 +784,11 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let (clock, window) = (view.clock, view.window);
         let refresh_after = (self.endpoint_capacity(endpoint) / 4).max(1);
         let (matched, probes) = self.probe(id, view, chain);
-        let needs_stamp = |hash: u64| {
-            self.stamp(hash, id)
-                .map_or(true, |s| clock.saturating_sub(s) >= refresh_after)
-        };
+        let age = |hash: u64| self.stamp(hash, id).map(|s| clock.saturating_sub(s));
+        let needs_stamp = |hash: u64| age(hash).map_or(true, |a| a >= refresh_after);
         // A block of the matched prefix is re-stamped only if recorded here before (as core
         // refreshes only the blocks it holds): its blocks are counted already.
-        let needs_refresh = |hash: u64| {
-            self.stamp(hash, id)
-                .is_some_and(|s| clock.saturating_sub(s) >= refresh_after)
-        };
+        let needs_refresh = |hash: u64| age(hash).is_some_and(|a| a >= refresh_after);
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
         // then reading every block of it again would only confirm that. When one is old
         // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
