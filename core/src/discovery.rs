@@ -137,14 +137,14 @@ pub fn members_of(page: &[u8], cluster: &str) -> Result<Discovered, DiscoveryErr
             .unwrap_or("")
             .to_string();
         // The same address twice (two localities, two priorities): one member, routable if
-        // either copy is.
+        // either copy is. Hosts are kept in address order as they come (a binary search
+        // each, and no sort for the .wasm to carry).
         let routable = routable(host.get("health_status").unwrap_or(&Value::Null));
-        match hosts.iter_mut().find(|(a, _, _)| *a == address) {
-            Some(existing) => existing.2 |= routable,
-            None => hosts.push((address, hostname, routable)),
+        match hosts.binary_search_by(|(a, _, _)| a.cmp(&address)) {
+            Ok(i) => hosts[i].2 |= routable,
+            Err(i) => hosts.insert(i, (address, hostname, routable)),
         }
     }
-    hosts.sort();
     if hosts.len() > MAX_MEMBERS {
         found.truncated = hosts.len() - MAX_MEMBERS;
         hosts.truncate(MAX_MEMBERS);

@@ -20,6 +20,7 @@ pub mod hashing;
 pub mod index;
 pub mod latency;
 pub mod metrics;
+pub mod order;
 pub mod request;
 pub mod router;
 pub mod scorer;

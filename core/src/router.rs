@@ -678,12 +678,14 @@ pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
 
 /// The eligible endpoints other than `chosen`, best score first (ties: lower index first).
 pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Vec<usize> {
-    let mut ranked: Vec<usize> = (0..scores.len())
+    // (key, index) pairs: the index breaks ties (equal totals keep index order), and the
+    // sort is the one `crate::order` shares.
+    let mut ranked: Vec<(u64, usize)> = (0..scores.len())
         .filter(|&i| i != chosen && eligible.get(i).copied().unwrap_or(false))
+        .map(|i| (crate::order::f64_key_descending(scores[i].total), i))
         .collect();
-    // Stable: equal totals keep index order. NaN totals cannot occur (scores are finite).
-    ranked.sort_by(|&a, &b| scores[b].total.total_cmp(&scores[a].total));
-    ranked
+    ranked.sort_unstable();
+    ranked.into_iter().map(|(_, i)| i).collect()
 }
 
 pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {

@@ -39,6 +39,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use prefixroute_core::index::{believed_match, record_positions, Search};
 use prefixroute_core::latency::CacheRoom;
+use prefixroute_core::order::{f64_key_descending, sort_by_u64_key};
 use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
@@ -144,9 +145,8 @@ pub fn apply_updates(
     for entry in &mut bucket.entries {
         if entry.holders.len() > MAX_HOLDERS {
             // Stable sort: among equals the earlier (older) holder goes first.
-            entry.holders.sort_by(|a, b| {
-                let (fa, fb) = (keep_score(freshness(a)), keep_score(freshness(b)));
-                fb.total_cmp(&fa)
+            sort_by_u64_key(&mut entry.holders, |h| {
+                f64_key_descending(keep_score(freshness(h)))
             });
             entry.holders.truncate(MAX_HOLDERS);
         }
@@ -444,7 +444,7 @@ impl<H: SharedData> SharedIndex<H> {
     pub fn end_request(&mut self) -> SharedDataErrors {
         let mut pending = std::mem::take(&mut self.cache.get_mut().pending);
         // Stable: a bucket's updates keep the order they were queued (and applied) in.
-        pending.sort_by_key(|&(bucket, _)| bucket);
+        sort_by_u64_key(&mut pending, |&(bucket, _)| bucket);
         let updates: Vec<Update> = pending.iter().map(|&(_, u)| u).collect();
         for run in runs(&pending, |&(bucket, _)| bucket) {
             self.write_bucket(pending[run.start].0, &updates[run]);
@@ -691,7 +691,7 @@ impl<H: SharedData> SharedIndex<H> {
         // A sort, not a map of vectors: a cold request queues one update per new block, in
         // as many buckets, and a map would allocate for each.
         let mut updates: Vec<Update> = updates.collect();
-        updates.sort_by_key(|u| self.bucket_of(u.hash));
+        sort_by_u64_key(&mut updates, |u| self.bucket_of(u.hash));
         for run in runs(&updates, |u| self.bucket_of(u.hash)) {
             self.queue_updates(self.bucket_of(updates[run.start].hash), &updates[run]);
         }
