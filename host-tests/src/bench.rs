@@ -35,7 +35,7 @@ pub struct TickRow {
 }
 
 pub const ENDPOINTS: [usize; 3] = [3, 16, 64];
-pub const TOKENS: [usize; 3] = [1024, 4096, 16384];
+pub const TOKENS: [usize; 4] = [64, 1024, 4096, 16384];
 
 fn endpoint_config(n: usize) -> serde_json::Value {
     let endpoints: Vec<_> = (0..n)
@@ -185,9 +185,13 @@ pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
             .get("proxy_on_request_body")
             .map_or(0, |c| c.fuel);
         out += &format!(
-            "| {} | {}k | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.endpoints,
-            r.target_tokens / 1024,
+            if r.target_tokens < 1024 {
+                r.target_tokens.to_string()
+            } else {
+                format!("{}k", r.target_tokens / 1024)
+            },
             r.tokens,
             r.blocks,
             if r.warm { "warm" } else { "cold" },
