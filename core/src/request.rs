@@ -58,174 +58,78 @@ fn wrong(field: impl Into<String>, expected: &'static str) -> RequestError {
     }
 }
 
-/// Parses a request body.
+#[cfg(test)]
+mod tree_walk;
+mod visit;
+
+use serde::de::DeserializeSeed;
+use visit::{BodyFields, BodySeed, Chat, Scalar};
+
+/// Parses a request body, reading only the fields routing needs, in one pass over the bytes
+/// (see [`visit`]): nothing else of the body is allocated.
 pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, RequestError> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
-    parse_value(&value)
+    let not_json = |e: serde_json::Error| RequestError::NotJson(e.to_string());
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let seed = BodySeed {
+        capacity: body.len(),
+    };
+    let fields = seed.deserialize(&mut de).map_err(not_json)?;
+    de.end().map_err(not_json)?;
+    fields.finish()
 }
 
-/// Parses an already decoded body (used by trace files, which embed bodies as JSON values).
+/// Parses an already decoded body (used by trace files, which embed bodies as JSON values),
+/// with the same reading as [`parse_request`].
 pub fn parse_value(value: &Value) -> Result<ParsedRequest, RequestError> {
-    let body = value.as_object().ok_or(RequestError::NotAnObject)?;
-    let model = match body.get("model") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err(wrong("model", "a string")),
-    };
-    let cache_salt = match body.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(wrong("cache_salt", "a string")),
-    };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(wrong("stream", "a boolean")),
-    };
-    let max_tokens = match body
-        .get("max_completion_tokens")
-        .or_else(|| body.get("max_tokens"))
-    {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| wrong("max_tokens", "a non-negative integer"))?,
-        ),
-    };
-    let mut boundaries = Vec::new();
-    let prompts = if let Some(messages) = body.get("messages") {
-        vec![Prompt::Text(flatten_messages(messages, &mut boundaries)?)]
-    } else if let Some(prompt) = body.get("prompt") {
-        completion_prompts(prompt)?
-    } else {
-        return Err(RequestError::MissingPrompt);
-    };
-    Ok(ParsedRequest {
-        model,
-        cache_salt,
-        prompts,
-        boundaries,
-        stream,
-        max_tokens,
-    })
+    BodySeed { capacity: 0 }
+        .deserialize(value)
+        .map_err(|e| RequestError::NotJson(e.to_string()))?
+        .finish()
 }
 
-/// Chat messages flattened in order as `<|role|>\ncontent\n`, so that the same conversation
-/// always yields the same text and a longer conversation extends a shorter one's prefix.
-/// `boundaries` gets the byte offset where each message after the first starts.
-fn flatten_messages(messages: &Value, boundaries: &mut Vec<usize>) -> Result<String, RequestError> {
-    let list = messages
-        .as_array()
-        .ok_or_else(|| wrong("messages", "an array"))?;
-    if list.is_empty() {
-        return Err(RequestError::EmptyMessages);
-    }
-    let mut text = String::new();
-    for (i, message) in list.iter().enumerate() {
-        let message = message
-            .as_object()
-            .ok_or_else(|| wrong(format!("messages[{i}]"), "an object"))?;
-        let role = message
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| wrong(format!("messages[{i}].role"), "a string"))?;
-        if i > 0 {
-            boundaries.push(text.len());
+impl BodyFields<'_> {
+    /// The request, or the first shape error in a fixed order: model, cache_salt, stream,
+    /// max tokens, then the prompt (`messages` before `prompt`).
+    fn finish(self) -> Result<ParsedRequest, RequestError> {
+        if !self.is_object {
+            return Err(RequestError::NotAnObject);
         }
-        text.push_str("<|");
-        text.push_str(role);
-        text.push_str("|>\n");
-        match message.get("content") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) => text.push_str(s),
-            Some(Value::Array(parts)) => {
-                for (j, part) in parts.iter().enumerate() {
-                    push_content_part(&mut text, part, i, j)?;
-                }
+        let model = match self.model {
+            None | Some(Scalar::Null) => String::new(),
+            Some(Scalar::Str(s)) => s.into_owned(),
+            Some(_) => return Err(wrong("model", "a string")),
+        };
+        let cache_salt = match self.cache_salt {
+            None | Some(Scalar::Null) => None,
+            Some(Scalar::Str(s)) => Some(s.into_owned()),
+            Some(_) => return Err(wrong("cache_salt", "a string")),
+        };
+        let stream = match self.stream {
+            None | Some(Scalar::Null) => false,
+            Some(Scalar::Bool(b)) => b,
+            Some(_) => return Err(wrong("stream", "a boolean")),
+        };
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            None | Some(Scalar::Null) => None,
+            Some(Scalar::Uint(n)) if u32::try_from(n).is_ok() => u32::try_from(n).ok(),
+            Some(_) => return Err(wrong("max_tokens", "a non-negative integer")),
+        };
+        let (prompts, boundaries) = match (self.messages, self.prompt) {
+            (Some(chat), _) => {
+                let Chat { text, boundaries } = chat?;
+                (vec![Prompt::Text(text)], boundaries)
             }
-            Some(_) => {
-                return Err(wrong(
-                    format!("messages[{i}].content"),
-                    "a string or an array of parts",
-                ))
-            }
-        }
-        text.push('\n');
-    }
-    Ok(text)
-}
-
-/// A content part: text is kept as is; an image or audio part is kept by its reference, so
-/// two requests with different images never look like the same prefix.
-fn push_content_part(
-    text: &mut String,
-    part: &Value,
-    i: usize,
-    j: usize,
-) -> Result<(), RequestError> {
-    let field = || format!("messages[{i}].content[{j}]");
-    let part = part
-        .as_object()
-        .ok_or_else(|| wrong(field(), "an object"))?;
-    let kind = part
-        .get("type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| wrong(format!("{}.type", field()), "a string"))?;
-    if kind == "text" {
-        let t = part
-            .get("text")
-            .and_then(Value::as_str)
-            .ok_or_else(|| wrong(format!("{}.text", field()), "a string"))?;
-        text.push_str(t);
-    } else {
-        text.push_str("<|");
-        text.push_str(kind);
-        text.push_str("|>");
-        if let Some(reference) = part.get(kind) {
-            let url = reference.get("url").and_then(Value::as_str);
-            match url {
-                Some(url) => text.push_str(url),
-                None => text.push_str(&reference.to_string()),
-            }
-        }
-    }
-    Ok(())
-}
-
-fn token_ids(value: &Value, field: &str) -> Result<Vec<u32>, RequestError> {
-    let list = value.as_array().ok_or_else(|| wrong(field, "an array"))?;
-    list.iter()
-        .map(|t| {
-            t.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| wrong(field, "token ids (non-negative integers)"))
+            (None, Some(prompts)) => (prompts?, Vec::new()),
+            (None, None) => return Err(RequestError::MissingPrompt),
+        };
+        Ok(ParsedRequest {
+            model,
+            cache_salt,
+            prompts,
+            boundaries,
+            stream,
+            max_tokens,
         })
-        .collect()
-}
-
-/// `prompt` may be a string, a list of strings, a list of token ids, or a list of such lists.
-fn completion_prompts(prompt: &Value) -> Result<Vec<Prompt>, RequestError> {
-    let expected = "a string, a list of strings, or token ids";
-    match prompt {
-        Value::String(s) => Ok(vec![Prompt::Text(s.clone())]),
-        Value::Array(items) if items.is_empty() => Err(RequestError::EmptyPrompt),
-        Value::Array(items) => match &items[0] {
-            Value::Number(_) => Ok(vec![Prompt::Tokens(token_ids(prompt, "prompt")?)]),
-            _ => items
-                .iter()
-                .enumerate()
-                .map(|(i, item)| match item {
-                    Value::String(s) => Ok(Prompt::Text(s.clone())),
-                    Value::Array(_) => {
-                        Ok(Prompt::Tokens(token_ids(item, &format!("prompt[{i}]"))?))
-                    }
-                    _ => Err(wrong(format!("prompt[{i}]"), "a string or token ids")),
-                })
-                .collect(),
-        },
-        _ => Err(wrong("prompt", expected)),
     }
 }
 
@@ -333,5 +237,210 @@ mod tests {
         assert!(parse(r#"{"prompt":"a","model":3}"#).is_err());
         assert!(parse(r#"{"prompt":"a","stream":"yes"}"#).is_err());
         assert!(parse(r#"{"prompt":"a","max_tokens":-1}"#).is_err());
+    }
+    #[test]
+    fn a_repeated_key_keeps_its_last_value_as_a_json_map_would() {
+        for body in [
+            r#"{"messages":[{"role":"user","content":"a","content":"b"}]}"#,
+            r#"{"messages":[{"content":"a","role":"user","role":"system"}]}"#,
+            r#"{"messages":[{"role":"user","content":"a","role":"system"}]}"#,
+            r#"{"messages":[{"role":"user","content":"a"}],"messages":[{"role":"x","content":"y"}]}"#,
+            r#"{"prompt":"a","prompt":[1,2],"model":"m","model":"n"}"#,
+            r#"{"messages":[{"content":[{"text":"t","type":"text","type":"image_url","image_url":{"url":"u"}}],"role":"user"}]}"#,
+        ] {
+            assert_eq!(
+                parse(body),
+                tree_walk::parse_request(body.as_bytes()),
+                "{body}"
+            );
+        }
+        assert_eq!(
+            parse(r#"{"messages":[{"role":"user","content":"a","content":"b"}]}"#)
+                .unwrap()
+                .prompts,
+            vec![Prompt::Text("<|user|>\nb\n".into())]
+        );
+    }
+
+    #[test]
+    fn the_role_may_come_after_the_content() {
+        let r = parse(r#"{"messages":[{"content":"be brief","role":"system"},{"content":"hi","role":"user"}]}"#).unwrap();
+        assert_eq!(
+            r.prompts,
+            vec![Prompt::Text("<|system|>\nbe brief\n<|user|>\nhi\n".into())]
+        );
+        assert_eq!(r.boundaries, vec!["<|system|>\nbe brief\n".len()]);
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_is_not_json_wherever_its_shape_is_wrong() {
+        // The shape error comes first in the text, the syntax error later: still `NotJson`.
+        assert!(matches!(
+            parse(r#"{"messages":"hi","prompt":"#),
+            Err(RequestError::NotJson(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"prompt":"a"} x"#),
+            Err(RequestError::NotJson(_))
+        ));
+        assert_eq!(
+            parse(r#"{"prompt":"a"} x"#),
+            tree_walk::parse_request(br#"{"prompt":"a"} x"#)
+        );
+    }
+
+    /// JSON values shaped like chat and completions bodies, right and wrong: objects whose
+    /// keys are mostly the ones routing reads, with values that are mostly the right shape.
+    fn body_strategy() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let text = prop_oneof![
+            "[a-z ]{0,6}",
+            Just("line\nbreak \"quoted\" \u{e9}".to_string()),
+            Just("text".to_string()),
+            Just("image_url".to_string()),
+            Just("type".to_string()),
+        ];
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            (0u64..6_000_000_000).prop_map(Value::from),
+            (0u64..100).prop_map(Value::from),
+            (-3i64..0).prop_map(Value::from),
+            Just(Value::from(1.5)),
+            text.clone().prop_map(Value::String),
+        ];
+        let any_value = leaf.clone().prop_recursive(3, 20, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::vec(("[a-z]{1,3}", inner), 0..3)
+                    .prop_map(|entries| Value::Object(entries.into_iter().collect())),
+            ]
+        });
+        // An object from (key, value) choices, each key kept with probability ~3/4.
+        fn object(
+            fields: Vec<(&'static str, BoxedStrategy<Value>)>,
+        ) -> impl Strategy<Value = Value> {
+            fields
+                .into_iter()
+                .map(|(k, v)| proptest::option::weighted(0.75, v).prop_map(move |v| (k, v)))
+                .collect::<Vec<_>>()
+                .prop_map(|entries| {
+                    Value::Object(
+                        entries
+                            .into_iter()
+                            .filter_map(|(k, v)| Some((k.to_string(), v?)))
+                            .collect(),
+                    )
+                })
+        }
+        let mostly =
+            |right: BoxedStrategy<Value>| prop_oneof![4 => right, 1 => any_value.clone()].boxed();
+        // The body's own scalars: wrong less often, so that the prompt's errors get their turn.
+        let rarely_wrong =
+            |right: BoxedStrategy<Value>| prop_oneof![20 => right, 1 => any_value.clone()].boxed();
+        let url = object(vec![(
+            "url",
+            mostly(text.clone().prop_map(Value::String).boxed()),
+        )]);
+        let part = object(vec![
+            ("type", mostly(text.clone().prop_map(Value::String).boxed())),
+            ("text", mostly(text.clone().prop_map(Value::String).boxed())),
+            ("image_url", mostly(url.boxed())),
+        ]);
+        let content = prop_oneof![
+            text.clone().prop_map(Value::String),
+            proptest::collection::vec(part, 0..3).prop_map(Value::Array),
+        ];
+        let message = object(vec![
+            ("role", mostly(text.clone().prop_map(Value::String).boxed())),
+            ("content", mostly(content.boxed())),
+            ("name", any_value.clone().boxed()),
+        ]);
+        let ids = proptest::collection::vec(leaf.clone(), 0..4).prop_map(Value::Array);
+        let prompt = prop_oneof![
+            text.clone().prop_map(Value::String),
+            ids.clone(),
+            proptest::collection::vec(prop_oneof![text.clone().prop_map(Value::String), ids], 0..3)
+                .prop_map(Value::Array),
+        ];
+        object(vec![
+            (
+                "model",
+                rarely_wrong(text.clone().prop_map(Value::String).boxed()),
+            ),
+            (
+                "cache_salt",
+                rarely_wrong(text.clone().prop_map(Value::String).boxed()),
+            ),
+            (
+                "stream",
+                rarely_wrong(any::<bool>().prop_map(Value::Bool).boxed()),
+            ),
+            (
+                "max_tokens",
+                rarely_wrong((0u64..10).prop_map(Value::from).boxed()),
+            ),
+            (
+                "max_completion_tokens",
+                rarely_wrong(Just(Value::Null).boxed()),
+            ),
+            (
+                "messages",
+                mostly(
+                    proptest::collection::vec(message, 0..4)
+                        .prop_map(Value::Array)
+                        .boxed(),
+                ),
+            ),
+            ("prompt", mostly(prompt.boxed())),
+            ("temperature", any_value.boxed()),
+        ])
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn the_one_pass_reading_agrees_with_the_tree_walk_on_every_body(body in body_strategy()) {
+            let bytes = serde_json::to_vec(&body).unwrap();
+            let expected = tree_walk::parse_request(&bytes);
+            proptest::prop_assert_eq!(&parse_request(&bytes), &expected);
+            proptest::prop_assert_eq!(&parse_value(&body), &expected);
+            // Cut short, it is not JSON for either (serde_json words the error by what it was
+            // reading: a skipped value or a built one, so only the kind is compared).
+            let cut = &bytes[..bytes.len() / 2];
+            match (parse_request(cut), tree_walk::parse_request(cut)) {
+                (Err(RequestError::NotJson(_)), Err(RequestError::NotJson(_))) => {}
+                (ours, reference) => proptest::prop_assert_eq!(ours, reference),
+            }
+        }
+    }
+}
+#[cfg(test)]
+mod tmp_timing {
+    #[test]
+    fn tmp_time() {
+        let text: String = (0..16000)
+            .map(|i| format!("w{} ", i % 97))
+            .collect::<String>()
+            .replace("w5 ", "w5\n");
+        let body = serde_json::to_vec(&serde_json::json!({"model":"m","messages":[{"role":"system","content":text.clone()},{"role":"user","content":"hi"}],"temperature":0.5})).unwrap();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            for _ in 0..200 {
+                std::hint::black_box(super::parse_request(&body).unwrap());
+            }
+            let a = t.elapsed();
+            let t = std::time::Instant::now();
+            for _ in 0..200 {
+                std::hint::black_box(super::tree_walk::parse_request(&body).unwrap());
+            }
+            let b = t.elapsed();
+            eprintln!(
+                "TIMING body {} B: one-pass {:?}/req, tree {:?}/req",
+                body.len(),
+                a / 200,
+                b / 200
+            );
+        }
     }
 }
