@@ -109,19 +109,6 @@ fn drain_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
     Ok(())
 }
 
-/// The next map value as a [`Scalar`], and a skipped one: out of line, so that the parser's
-/// value dispatch is compiled once per map type instead of at every key (the .wasm carries each
-/// inlined copy; see the module header).
-#[inline(never)]
-fn scalar_value<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Scalar<'de>, A::Error> {
-    map.next_value()
-}
-
-#[inline(never)]
-fn skip_value<'de, A: MapAccess<'de>>(map: &mut A) -> Result<(), A::Error> {
-    map.next_value::<IgnoredAny>().map(|_| ())
-}
-
 /// A map key as a string: borrowed from the body when it has no escapes.
 struct Key<'de>(Cow<'de, str>);
 
@@ -187,13 +174,11 @@ impl<'de> Visitor<'de> for BodyVisitor {
         };
         while let Some(Key(key)) = map.next_key()? {
             match key.as_ref() {
-                "model" => body.model = Some(scalar_value(&mut map)?),
-                "cache_salt" => body.cache_salt = Some(scalar_value(&mut map)?),
-                "stream" => body.stream = Some(scalar_value(&mut map)?),
-                "max_tokens" => body.max_tokens = Some(scalar_value(&mut map)?),
-                "max_completion_tokens" => {
-                    body.max_completion_tokens = Some(scalar_value(&mut map)?)
-                }
+                "model" => body.model = Some(map.next_value()?),
+                "cache_salt" => body.cache_salt = Some(map.next_value()?),
+                "stream" => body.stream = Some(map.next_value()?),
+                "max_tokens" => body.max_tokens = Some(map.next_value()?),
+                "max_completion_tokens" => body.max_completion_tokens = Some(map.next_value()?),
                 "messages" => {
                     let seed = MessagesSeed {
                         capacity: self.capacity,
@@ -201,7 +186,9 @@ impl<'de> Visitor<'de> for BodyVisitor {
                     body.messages = Some(map.next_value_seed(seed)?);
                 }
                 "prompt" => body.prompt = Some(map.next_value_seed(PromptSeed)?),
-                _ => skip_value(&mut map)?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
         Ok(body)
@@ -333,7 +320,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
         let mut content: Result<(), RequestError> = Ok(());
         while let Some(Key(key)) = map.next_key()? {
             match key.as_ref() {
-                "role" => role = Some(scalar_value(&mut map)?),
+                "role" => role = Some(map.next_value()?),
                 "content" => {
                     // A repeated key replaces the earlier value, as in a `Value` map.
                     chat.text.truncate(start);
@@ -347,7 +334,9 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
                         text: &mut chat.text,
                     })?;
                 }
-                _ => skip_value(&mut map)?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
         // The role is checked before the content, as the tree walk did.
@@ -494,8 +483,8 @@ impl<'de> Visitor<'de> for PartSeed<'_> {
         let mut others: Vec<(Cow<'de, str>, Value)> = Vec::new();
         while let Some(Key(key)) = map.next_key()? {
             match key.as_ref() {
-                "type" => kind = Some(scalar_value(&mut map)?),
-                "text" => text = Some(scalar_value(&mut map)?),
+                "type" => kind = Some(map.next_value()?),
+                "text" => text = Some(map.next_value()?),
                 _ => {
                     let value: Value = map.next_value()?;
                     others.push((key, value));
