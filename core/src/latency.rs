@@ -780,6 +780,14 @@ pub struct Prediction {
     pub cost_ms: f64,
 }
 
+/// A predicted time in whole milliseconds, as the plugin's response headers carry it: rounded
+/// half to even like `format!("{:.0}")`, without the float formatter (exact float printing
+/// costs the plugin thousands of instructions per header). Not a number reads 0; beyond
+/// `i64` saturates.
+pub fn whole_ms(ms: f64) -> i64 {
+    ms.round_ties_even() as i64
+}
+
 /// Prompt tokens a server would reuse given `matched` believed blocks per chain: full
 /// blocks only, and never the last prompt token (vLLM computes it for its logits).
 pub fn cached_tokens(hashes: &BlockHashes, matched: &[usize]) -> usize {
@@ -1085,6 +1093,15 @@ mod tests {
             hold_ms: 0.0,
             elapsed_ms,
         }
+    }
+
+    #[test]
+    fn whole_ms_rounds_as_the_float_formatter_does() {
+        for ms in [0.0, 0.4, 0.5, 1.5, 2.5, 2.51, 99.49, 1e6 + 0.5, 3_600_000.0] {
+            assert_eq!(whole_ms(ms).to_string(), format!("{ms:.0}"), "{ms}");
+        }
+        assert_eq!(whole_ms(f64::NAN), 0);
+        assert_eq!(whole_ms(f64::INFINITY), i64::MAX);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use prefixroute_core::config::DEFAULT_DESTINATION_HEADER;
+use prefixroute_core::latency::whole_ms;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
@@ -250,8 +251,8 @@ impl HttpContext for Filter {
                         "x-prefixroute-uncached-tokens",
                         p.uncached_tokens.to_string(),
                     ));
-                    headers.push(("x-prefixroute-queue-ms", format!("{:.0}", p.queue_ms)));
-                    headers.push(("x-prefixroute-ttft-ms", format!("{:.0}", p.ttft_ms)));
+                    headers.push(("x-prefixroute-queue-ms", whole_ms(p.queue_ms).to_string()));
+                    headers.push(("x-prefixroute-ttft-ms", whole_ms(p.ttft_ms).to_string()));
                 }
             }
             Route::Fallback(reason) => {
