@@ -29,6 +29,31 @@ use serde_json::Value;
 
 use super::{wrong, Prompt, RequestError};
 
+/// A visitor's `visit_bool`/`visit_u64`/`visit_i64`/`visit_f64` (and with `str`, `visit_str`)
+/// answering as its `visit_unit` does: the scalars that are all the same wrong shape for it.
+macro_rules! other_scalars_are_unit {
+    () => {
+        fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            self.visit_unit()
+        }
+        fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            self.visit_unit()
+        }
+        fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            self.visit_unit()
+        }
+        fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            self.visit_unit()
+        }
+    };
+    (str) => {
+        other_scalars_are_unit!();
+        fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            self.visit_unit()
+        }
+    };
+}
+
 /// A scalar as routing reads it; objects, arrays and numbers it has no use for are consumed and
 /// kept only as "something else" (enough for a typed error).
 pub(super) enum Scalar<'de> {
@@ -200,21 +225,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(BodyFields::default())
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(BodyFields::default())
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(BodyFields::default())
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(BodyFields::default())
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(BodyFields::default())
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(BodyFields::default())
-    }
+    other_scalars_are_unit!(str);
 }
 
 /// `messages`: flattened in order as `<|role|>\ncontent\n` (see `flatten` in the parent).
@@ -259,21 +270,7 @@ impl<'de> Visitor<'de> for MessagesSeed {
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(Err(wrong("messages", "an array")))
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
+    other_scalars_are_unit!(str);
 }
 
 /// One message, appended to the chat text. Its content is written as it is parsed; the
@@ -366,21 +363,7 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(Err(wrong(format!("messages[{}]", self.index), "an object")))
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
+    other_scalars_are_unit!(str);
 }
 
 /// A message's `content`: a string, null, or a list of parts, appended to the text.
@@ -529,21 +512,7 @@ impl<'de> Visitor<'de> for PartSeed<'_> {
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(Err(wrong(self.field(), "an object")))
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
+    other_scalars_are_unit!(str);
 }
 
 const TOKEN_IDS: &str = "token ids (non-negative integers)";
@@ -624,18 +593,7 @@ impl<'de> Visitor<'de> for PromptSeed {
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         Ok(Err(wrong_prompt()))
     }
-    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
-    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        self.visit_unit()
-    }
+    other_scalars_are_unit!();
 }
 
 /// One element of a `prompt` list.
