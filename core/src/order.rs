@@ -10,7 +10,7 @@
 
 /// Sorts `items` by `key`, stably: equal keys keep their order.
 pub fn sort_by_u64_key<T: Copy>(items: &mut [T], key: impl Fn(&T) -> u64) {
-    // Already in order (the common case: positions, one request's buckets): no allocation.
+    // Already in order (common for one request's buckets and pending writes): no allocation.
     if items.windows(2).all(|w| key(&w[0]) <= key(&w[1])) {
         return;
     }

@@ -296,9 +296,7 @@ fn push_header(text: &mut String, role: &str) {
 
 fn header(role: &str) -> String {
     let mut h = String::with_capacity(role.len() + 5);
-    h.push_str("<|");
-    h.push_str(role);
-    h.push_str("|>\n");
+    push_header(&mut h, role);
     h
 }
 
