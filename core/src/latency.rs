@@ -773,7 +773,12 @@ pub struct Prediction {
     pub new_blocks: usize,
     /// Of those, the ones its cache has no free room for: placing it there evicts them now.
     pub evicted_blocks: usize,
-    /// Blocks priced for the room they take: (new + expected later) × occupancy.
+    /// Blocks the groups already living on the endpoint are expected to add (see
+    /// [`Footprint::growing_blocks`]): counted as taken when pricing room.
+    #[serde(default)]
+    pub growing_blocks: f64,
+    /// Blocks priced for the room they take: (new + expected later) × occupancy, the
+    /// occupancy counting the growing blocks as taken.
     pub room_blocks: f64,
     pub room_ms: f64,
     /// What the router minimises: TTFT + delay to others + room.
@@ -814,10 +819,16 @@ impl CacheRoom {
 
     /// Share of the cache believed in use, 0..1 (0 when the capacity is unknown).
     pub fn occupancy(&self) -> f64 {
+        self.occupancy_with(0.0)
+    }
+
+    /// Share of the cache in use once `growing` more blocks arrive, 0..1 (0 when the
+    /// capacity is unknown).
+    pub fn occupancy_with(&self, growing: f64) -> f64 {
         if self.capacity_blocks == 0 {
             return 0.0;
         }
-        (self.believed_blocks as f64 / self.capacity_blocks as f64).min(1.0)
+        ((self.believed_blocks as f64 + growing) / self.capacity_blocks as f64).min(1.0)
     }
 }
 
@@ -928,20 +939,126 @@ impl GroupGrowth {
         }
     }
 
-    /// Blocks a group that starts now is expected to add after its first request: a
-    /// continuation's mean size times the expected number of continuations, `p / (1 − p)` for
-    /// a continuation share `p` (each request is followed by another with probability `p`).
-    pub fn future_blocks(&self) -> f64 {
-        if !(self.requests > 0.0 && self.continuations >= 1.0) {
+    /// The share of requests that continue an earlier one: the chance that a group's request
+    /// is followed by another. Estimated from the last ~50 requests and blended with a prior
+    /// ([`PRIOR_CONTINUATION_SHARE`], worth [`PRIOR_REQUESTS`] requests), capped so a group's
+    /// expected length stays finite.
+    ///
+    /// Why a prior: right after groups start (a fleet coming up, a wave of new conversations)
+    /// most recent requests are starts, so the plain share says groups are short exactly when
+    /// it matters most where they start. Chat is what an OpenAI gateway mostly carries; the
+    /// prior says so until the evidence outweighs it. It only moves placement where groups are
+    /// seen to grow: without continuations the growth is zero whatever the share.
+    pub fn continuation_share(&self) -> f64 {
+        let requests = finite_or_zero(self.requests);
+        let continuations = finite_or_zero(self.continuations).min(requests);
+        let share = (continuations + PRIOR_REQUESTS * PRIOR_CONTINUATION_SHARE)
+            / (requests + PRIOR_REQUESTS);
+        share.clamp(0.0, MAX_CONTINUATION_SHARE)
+    }
+
+    /// A continuation's mean size in blocks (0 before any was seen).
+    fn mean_continuation_blocks(&self) -> f64 {
+        let continuations = finite_or_zero(self.continuations);
+        if continuations < 1.0 {
             return 0.0;
         }
-        let p = (self.continuations / self.requests).clamp(0.0, MAX_CONTINUATION_SHARE);
-        let mean = self.added_blocks / self.continuations;
-        let future = mean * p / (1.0 - p);
-        if future.is_finite() {
-            future.max(0.0)
+        finite_or_zero(self.added_blocks / continuations)
+    }
+
+    /// Blocks a group that starts now is expected to add after its first request: a
+    /// continuation's mean size times the expected number of continuations, `p / (1 − p)` for
+    /// the continuation share `p` (each request is followed by another with probability `p`).
+    pub fn future_blocks(&self) -> f64 {
+        let p = self.continuation_share();
+        finite_or_zero(self.mean_continuation_blocks() * p / (1.0 - p))
+    }
+
+    /// Blocks a group known to live (one that will send another request) is expected to add:
+    /// `mean / (1 − p)`, the same geometric length one request further on.
+    pub fn live_group_blocks(&self) -> f64 {
+        let p = self.continuation_share();
+        finite_or_zero(self.mean_continuation_blocks() / (1.0 - p))
+    }
+}
+
+/// The prior continuation share of [`GroupGrowth::continuation_share`] and its weight in
+/// requests (as much as the estimate's memory holds, so evidence and prior weigh alike once
+/// the memory is full).
+const PRIOR_CONTINUATION_SHARE: f64 = 0.9;
+const PRIOR_REQUESTS: f64 = 50.0;
+
+fn finite_or_zero(v: f64) -> f64 {
+    if v.is_finite() {
+        v.max(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// Groups living on each endpoint, as an expected count: the groups whose later requests will
+/// take room in its cache although the belief does not hold those blocks yet.
+///
+/// The belief's occupancy says how full a cache is now; a replica that has just taken ten new
+/// conversations is nearly empty now and full in a minute. So every group started on an
+/// endpoint counts one there, a group moved elsewhere moves its count, and since a request is
+/// its group's last with probability `1 − p` (the continuation share, [`GroupGrowth`]), each
+/// request routed to an endpoint takes `1 − p` off its count: the expected number of groups
+/// that ended there. Counts, not blocks: what each live group will still add is priced when a
+/// decision reads it ([`GroupGrowth::live_group_blocks`]), with what the router knows by then,
+/// so groups started before their growth was learned are priced as soon as it is. The sums are
+/// signed (a proxy adds up every worker's, and one worker may see the continuation of
+/// another's start); a reader takes `max(0, sum)`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LiveGroups {
+    pub count: Vec<f64>,
+}
+
+impl LiveGroups {
+    pub fn new(endpoints: usize) -> Self {
+        LiveGroups {
+            count: vec![0.0; endpoints],
+        }
+    }
+
+    /// The groups expected to live on `endpoint`, never negative.
+    pub fn on(&self, endpoint: usize) -> f64 {
+        self.count
+            .get(endpoint)
+            .copied()
+            .filter(|v| v.is_finite())
+            .map_or(0.0, |v| v.max(0.0))
+    }
+
+    /// One routed request: it went to `chosen`; `continued[e]` says where it continued its
+    /// group (where the group lived); `share` is the continuation share the router believes.
+    pub fn observe(&mut self, chosen: usize, continued: &[bool], share: f64) {
+        let ended = if share.is_finite() {
+            1.0 - share.clamp(0.0, 1.0)
         } else {
-            0.0
+            1.0
+        };
+        let here = continued.get(chosen).copied().unwrap_or(false);
+        for (e, v) in self.count.iter_mut().enumerate() {
+            if e == chosen {
+                *v += if here { 0.0 } else { 1.0 } - ended;
+            } else if !here && continued.get(e).copied().unwrap_or(false) {
+                // The group moves to `chosen`.
+                *v -= 1.0;
+            }
+            if !v.is_finite() {
+                *v = 0.0;
+            }
+        }
+    }
+
+    /// The same counts over a changed pool (`previous[new]` as in [`RequestLedger::remapped`]).
+    pub fn remapped(&self, previous: &[Option<usize>]) -> LiveGroups {
+        LiveGroups {
+            count: previous
+                .iter()
+                .map(|old| old.and_then(|o| self.count.get(o).copied()).unwrap_or(0.0))
+                .collect(),
         }
     }
 }
@@ -954,6 +1071,10 @@ pub struct Footprint {
     /// Blocks the group is expected to add later ([`GroupGrowth::future_blocks`]); counted
     /// where the request would start (or move) its group, not where it continues it.
     pub future_blocks: f64,
+    /// Blocks the groups already living on the endpoint are expected to add
+    /// ([`LiveGroups::on`] × [`GroupGrowth::live_group_blocks`]): room that is taken soon
+    /// although it is free now.
+    pub growing_blocks: f64,
 }
 
 /// Predicts one request's time to first token on one endpoint, and what the router minimises.
@@ -1016,7 +1137,12 @@ pub fn predict(
     } else {
         footprint.future_blocks.max(0.0)
     };
-    let room_blocks = (new_blocks as f64 + future) * room.occupancy();
+    let growing = if footprint.growing_blocks.is_finite() {
+        footprint.growing_blocks.max(0.0)
+    } else {
+        0.0
+    };
+    let room_blocks = (new_blocks as f64 + future) * room.occupancy_with(growing);
     let block_size = hashes.block_size.max(1) as f64;
     let room_ms = room_blocks * block_size * ms_per_token;
     Prediction {
@@ -1034,6 +1160,7 @@ pub fn predict(
         delay_to_others_ms,
         new_blocks,
         evicted_blocks,
+        growing_blocks: growing,
         room_blocks,
         room_ms,
         cost_ms: ttft_ms + delay_to_others_ms + room_ms,
@@ -1244,10 +1371,12 @@ mod tests {
         let continuing = Footprint {
             continues: true,
             future_blocks: 30.0,
+            growing_blocks: 0.0,
         };
         let starting = Footprint {
             continues: false,
             future_blocks: 30.0,
+            growing_blocks: 0.0,
         };
         // 8 new blocks at half occupancy: 4 blocks of 16 tokens at 1 ms.
         let c = predict(&h, &[2], half, continuing, &idle, &config());
@@ -1255,6 +1384,28 @@ mod tests {
         // A group that starts here also brings its expected 30 later blocks.
         let s = predict(&h, &[2], half, starting, &idle, &config());
         assert_eq!(s.room_blocks, (8.0 + 30.0) * 0.5);
+        // Groups already living here will take 25 more blocks: the cache is three quarters
+        // full for this request's blocks; past full it is full.
+        let crowded = Footprint {
+            growing_blocks: 25.0,
+            ..continuing
+        };
+        let g = predict(&h, &[2], half, crowded, &idle, &config());
+        assert_eq!(g.room_blocks, 8.0 * 0.75);
+        let overfull = Footprint {
+            growing_blocks: 500.0,
+            ..continuing
+        };
+        let o = predict(&h, &[2], half, overfull, &idle, &config());
+        assert_eq!(o.room_blocks, 8.0);
+        let garbage = Footprint {
+            growing_blocks: f64::NAN,
+            ..continuing
+        };
+        assert_eq!(
+            predict(&h, &[2], half, garbage, &idle, &config()).room_blocks,
+            4.0
+        );
         // An empty cache costs no room; an unknown capacity neither.
         let e = predict(&h, &[0], empty, starting, &idle, &config());
         assert_eq!(e.room_ms, 0.0);
@@ -1580,21 +1731,66 @@ mod tests {
     fn growth_is_learned_from_continuations() {
         let mut growth = GroupGrowth::default();
         assert_eq!(growth.future_blocks(), 0.0);
-        // Tenants: nothing ever continues.
+        // Before any evidence the share is the prior's.
+        assert_eq!(growth.continuation_share(), PRIOR_CONTINUATION_SHARE);
+        // Tenants: nothing ever continues, so groups add nothing whatever the share.
         for _ in 0..100 {
             growth.observe(false, 3);
         }
         assert_eq!(growth.future_blocks(), 0.0);
-        // Conversations: 3 of 4 requests continue and add 8 blocks: 8 × 3 = 24 more.
+        assert_eq!(growth.live_group_blocks(), 0.0);
+        assert!(growth.continuation_share() < 0.5, "{growth:?}");
+        // Conversations: 3 of 4 requests continue and add 8 blocks. With a full memory the
+        // evidence and the prior weigh alike: p = (0.75 + 0.9) / 2.
         for i in 0..400 {
             growth.observe(i % 4 != 0, 8);
         }
-        assert!((growth.future_blocks() - 24.0).abs() < 3.0, "{growth:?}");
+        let p = growth.continuation_share();
+        assert!((p - 0.825).abs() < 0.01, "{growth:?}");
+        assert!((growth.future_blocks() - 8.0 * p / (1.0 - p)).abs() < 1e-9);
+        // A live group is one request further on: mean / (1 - p).
+        assert!((growth.live_group_blocks() - 8.0 / (1.0 - p)).abs() < 1e-9);
         // Always continuing is capped: at most 19 more requests.
         for _ in 0..400 {
             growth.observe(true, 1);
         }
         assert!(growth.future_blocks() <= 19.0 * 1.01, "{growth:?}");
+        // Garbage sums are no evidence.
+        let broken = GroupGrowth {
+            requests: f64::NAN,
+            continuations: f64::INFINITY,
+            added_blocks: -3.0,
+        };
+        assert_eq!(broken.future_blocks(), 0.0);
+        assert_eq!(broken.live_group_blocks(), 0.0);
+    }
+
+    #[test]
+    fn live_groups_count_starts_follow_moves_and_lose_the_expected_ends() {
+        let mut live = LiveGroups::new(3);
+        // Two groups start on endpoint 0 and one on 1; every request may be its group's last
+        // (here with probability 1 - 0.75).
+        live.observe(0, &[false, false, false], 0.75);
+        live.observe(0, &[false, false, false], 0.75);
+        live.observe(1, &[false, false, false], 0.75);
+        assert_eq!(live.on(0), 2.0 * 0.75);
+        assert_eq!(live.on(1), 0.75);
+        // A continuation on 0 is the same group again: only its chance of ending counts.
+        live.observe(0, &[true, false, false], 0.75);
+        assert_eq!(live.on(0), 1.5 - 0.25);
+        // A group of endpoint 1 moved to 2 takes its count along.
+        live.observe(2, &[false, true, false], 0.75);
+        assert_eq!(live.on(1), 0.0);
+        assert_eq!(live.on(2), 0.75);
+        // Never negative when read; garbage shares end every group; unknown endpoints are 0.
+        live.observe(1, &[false, true, false], f64::NAN);
+        assert_eq!(live.on(1), 0.0);
+        assert_eq!(live.on(9), 0.0);
+        // A changed pool keeps each endpoint's count by identity.
+        let moved = live.remapped(&[Some(2), None, Some(0)]);
+        assert_eq!(moved.on(0), live.on(2));
+        assert_eq!(moved.on(1), 0.0);
+        assert_eq!(moved.on(2), live.on(0));
     }
 
     #[test]

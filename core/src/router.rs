@@ -12,7 +12,7 @@ use thiserror::Error;
 
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore};
-use crate::latency::{predict, CacheRoom, Footprint, GroupGrowth, Prediction};
+use crate::latency::{predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction};
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
 pub use crate::config::{Policy, RouterConfig, SaturationFilter, Weights};
@@ -144,10 +144,21 @@ impl Decision {
             .map(|(i, s)| {
                 let mark = if i == self.endpoint { "*" } else { " " };
                 let state = if s.excluded { " (excluded)" } else { "" };
-                let room = format!(
-                    "cache {}/{} blocks",
-                    s.room.believed_blocks, s.room.capacity_blocks
-                );
+                let growing = s
+                    .prediction
+                    .map_or(0.0, |p| p.growing_blocks)
+                    .round();
+                let room = if growing > 0.0 {
+                    format!(
+                        "cache {}/{} blocks + {growing} growing",
+                        s.room.believed_blocks, s.room.capacity_blocks
+                    )
+                } else {
+                    format!(
+                        "cache {}/{} blocks",
+                        s.room.believed_blocks, s.room.capacity_blocks
+                    )
+                };
                 match &s.prediction {
                     Some(p) => format!(
                         "{mark} {}: match {}/{}{}, {} uncached tokens, queue {:.0} ms ({:.1} requests), \
@@ -255,6 +266,8 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     cold_clock: u64,
     /// How groups grow, learned from every committed request (for `latency`'s room price).
     growth: GroupGrowth,
+    /// Groups living on each endpoint (expected counts).
+    live: LiveGroups,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -278,6 +291,7 @@ impl<S: PrefixStore> Router<S> {
             last_cold: vec![None; endpoints],
             cold_clock: 0,
             growth: GroupGrowth::default(),
+            live: LiveGroups::new(endpoints),
             tie_key: None,
         }
     }
@@ -291,11 +305,12 @@ impl<S: PrefixStore> Router<S> {
     }
 
     /// The pool changed to `endpoints` members (the store already describes them). What the
-    /// router kept per endpoint (no-hit-lru's memory) starts over; callers that share it
+    /// router kept per endpoint (no-hit-lru's memory, the live groups) starts over; callers that share it
     /// (the plugin) set it again before every pick anyway.
     pub fn set_endpoints(&mut self, endpoints: usize) {
         self.endpoints = endpoints;
         self.last_cold = vec![None; endpoints];
+        self.live = LiveGroups::new(endpoints);
         self.next_round_robin = self.next_round_robin.min(endpoints.saturating_sub(1));
     }
 
@@ -428,6 +443,7 @@ impl<S: PrefixStore> Router<S> {
         let block_size = hashes.block_size.max(1);
         let w = self.config.weights;
         let future_blocks = self.growth.future_blocks();
+        let live_group_blocks = self.growth.live_group_blocks();
         (0..loads.len())
             .map(|i| {
                 let matched_blocks: usize = matches.blocks[i].iter().sum();
@@ -447,6 +463,7 @@ impl<S: PrefixStore> Router<S> {
                         Footprint {
                             continues: matches.continues[i],
                             future_blocks,
+                            growing_blocks: self.live.on(i) * live_group_blocks,
                         },
                         &loads[i].latency,
                         &self.config.latency,
@@ -506,6 +523,9 @@ impl<S: PrefixStore> Router<S> {
                 .get(endpoint)
                 .map_or(0, |s| s.matched_blocks),
         );
+        let continued: Vec<bool> = decision.scores.iter().map(|s| s.continues).collect();
+        self.live
+            .observe(endpoint, &continued, self.growth.continuation_share());
         self.growth.observe(decision.continuation, new_blocks);
         if decision.cold {
             self.cold_clock += 1;
@@ -538,6 +558,10 @@ impl<S: PrefixStore> Router<S> {
     /// Forgets an endpoint's blocks (e.g. after it restarted with an empty cache).
     pub fn forget_endpoint(&mut self, endpoint: usize) {
         self.store.forget_endpoint(endpoint);
+        // Its groups are gone with its cache: their later requests start over elsewhere.
+        if let Some(v) = self.live.count.get_mut(endpoint) {
+            *v = 0.0;
+        }
     }
 
     /// Bounds an endpoint's believed cache by its real capacity (see
@@ -554,6 +578,16 @@ impl<S: PrefixStore> Router<S> {
     /// Replaces the learned growth, e.g. with the view a proxy shares between its workers.
     pub fn set_growth(&mut self, growth: GroupGrowth) {
         self.growth = growth;
+    }
+
+    /// The groups living on each endpoint, as counted so far.
+    pub fn live_groups(&self) -> &LiveGroups {
+        &self.live
+    }
+
+    /// Replaces the live-group counts, e.g. with the sum a proxy's workers share.
+    pub fn set_live_groups(&mut self, live: LiveGroups) {
+        self.live = live;
     }
 
     /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =

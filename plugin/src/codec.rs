@@ -14,7 +14,7 @@ use prefixroute_core::metrics::ServerMetrics;
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 4;
+pub const LAYOUT: u8 = 5;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -400,6 +400,9 @@ pub struct EndpointLedger {
     pub work: EndpointWork,
     pub rate: PrefillRate,
     pub sent: SentTokens,
+    /// This instance's share of the groups living on the endpoint (core's `LiveGroups`;
+    /// signed, the sum over instances is what counts).
+    pub live_groups: f64,
 }
 
 impl EndpointLedger {
@@ -407,6 +410,7 @@ impl EndpointLedger {
         self.work == EndpointWork::default()
             && self.rate == PrefillRate::default()
             && self.sent == SentTokens::default()
+            && self.live_groups == 0.0
     }
 }
 
@@ -418,7 +422,7 @@ impl EndpointLedger {
 /// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
 /// growth 3 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
 /// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64)`: 123 + 56 n bytes.
+/// sent_predicted_cached u64, live_groups f64)`: 123 + 64 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
@@ -430,7 +434,7 @@ pub struct InstanceRecord {
     pub endpoints: Vec<EndpointLedger>,
 }
 
-const LEDGER_BYTES: usize = 56;
+const LEDGER_BYTES: usize = 64;
 
 impl InstanceRecord {
     pub fn encode(&self) -> Vec<u8> {
@@ -456,6 +460,7 @@ impl InstanceRecord {
             w.f64(e.rate.work_tokens);
             w.u64(e.sent.prompt);
             w.u64(e.sent.predicted_cached);
+            w.f64(e.live_groups);
         }
         w.0
     }
@@ -499,6 +504,7 @@ impl InstanceRecord {
                     prompt: r.u64()?,
                     predicted_cached: r.u64()?,
                 },
+                live_groups: r.f64()?,
             });
         }
         Some(InstanceRecord {
@@ -927,6 +933,7 @@ mod tests {
                         prompt: 12_000,
                         predicted_cached: 9_000,
                     },
+                    live_groups: -1.25,
                 },
                 EndpointLedger {
                     endpoint: u64::MAX,
@@ -938,7 +945,7 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 123 + 2 * 56);
+        assert_eq!(rec.encode().len(), 123 + 2 * 64);
         assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
         let reg = Registry {
             next_nonce: 5,

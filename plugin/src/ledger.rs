@@ -17,8 +17,8 @@
 //! instance learned goes with it; the others keep learning.)
 
 use prefixroute_core::latency::{
-    EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, Observation, Prediction, RequestLedger,
-    SentTokens,
+    EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation, Prediction,
+    RequestLedger, SentTokens,
 };
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
@@ -43,6 +43,7 @@ pub struct Pooled {
     pub sent: Vec<SentTokens>,
     pub learned: LearnedModel,
     pub growth: GroupGrowth,
+    pub live: LiveGroups,
 }
 
 impl Pooled {
@@ -62,6 +63,14 @@ impl Pooled {
         self.growth.continuations += finite(growth.continuations);
         self.growth.added_blocks += finite(growth.added_blocks);
     }
+
+    fn add_live(&mut self, e: usize, live: f64) {
+        if let Some(v) = self.live.count.get_mut(e) {
+            if live.is_finite() {
+                *v += live;
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -70,6 +79,7 @@ pub struct Ledger {
     /// This instance's own requests and what it learned from them.
     own: RequestLedger,
     growth: GroupGrowth,
+    live: LiveGroups,
     me: Option<Member>,
     /// Other live instances, as of the last tick.
     peers: Vec<Member>,
@@ -82,6 +92,7 @@ impl Ledger {
         Ledger {
             own: RequestLedger::new(ids.len()),
             growth: GroupGrowth::default(),
+            live: LiveGroups::new(ids.len()),
             ids,
             me: None,
             peers: Vec::new(),
@@ -98,6 +109,7 @@ impl Ledger {
             .map(|e| ids.id(e).and_then(|id| self.ids.index(id)))
             .collect();
         self.own = self.own.remapped(&previous);
+        self.live = self.live.remapped(&previous);
         self.ids = ids;
     }
 
@@ -195,9 +207,28 @@ impl Ledger {
         self.publish(host, now_ms);
     }
 
-    /// Learns how groups grow from one routed request (published with the next write).
-    pub fn observe_growth(&mut self, continues: bool, new_blocks: usize) {
+    /// Learns how groups grow from one routed request, and counts where its group lives, as
+    /// core's `Router::commit` does (published with the next write): it went to `endpoint`,
+    /// `continued[e]` says where it continued its group, `share` is the continuation share the
+    /// decision was made with.
+    pub fn observe_growth(
+        &mut self,
+        endpoint: usize,
+        continued: &[bool],
+        share: f64,
+        continues: bool,
+        new_blocks: usize,
+    ) {
+        self.live.observe(endpoint, continued, share);
         self.growth.observe(continues, new_blocks);
+    }
+
+    /// `endpoint` restarted with an empty cache: this instance's count of the groups living
+    /// there starts over (published with the next write).
+    pub fn forget_live_groups(&mut self, endpoint: usize) {
+        if let Some(v) = self.live.count.get_mut(endpoint) {
+            *v = 0.0;
+        }
     }
 
     /// Every live instance's account added up: ours from memory, the others' from their
@@ -209,6 +240,7 @@ impl Ledger {
             sent: self.own.sent.clone(),
             learned: self.own.learned.clone(),
             growth: self.growth,
+            live: self.live.clone(),
         };
         for peer in &self.peers {
             let record = match host.get(&instance_key(peer.slot)) {
@@ -229,6 +261,7 @@ impl Ledger {
             for ledger in &record.endpoints {
                 if let Some(e) = self.ids.index(ledger.endpoint) {
                     pooled.add_work(e, &ledger.work, &ledger.sent);
+                    pooled.add_live(e, ledger.live_groups);
                     theirs.rates[e] = ledger.rate;
                 }
             }
@@ -338,6 +371,7 @@ impl Ledger {
                     work: self.own.work[e],
                     rate: self.own.learned.rates[e],
                     sent: self.own.sent[e],
+                    live_groups: self.live.count.get(e).copied().unwrap_or(0.0),
                 })
                 .filter(|l| !l.is_empty())
                 .collect(),
@@ -438,13 +472,24 @@ mod tests {
         a.acquire(&host, 1, &work(500), 0);
         b.acquire(&host, 1, &work(0), 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
-        a.observe_growth(true, 6);
+        a.observe_growth(1, &[false, true, false], 0.8, true, 6);
+        // b sees a's group move to endpoint 2 (it was on 1).
+        b.observe_growth(2, &[false, true, false], 0.8, true, 9);
         a.release(&host, 1, None, None, 20);
         b.tick(&host, 30);
         let pooled = b.totals(&host, 30);
         assert_eq!(pooled.learned.rates[1].busy_ms, 1000.0);
         assert_eq!(pooled.learned.rates[1].work_tokens, 500.0);
-        assert_eq!(pooled.growth.continuations, 1.0);
+        assert_eq!(pooled.growth.continuations, 2.0);
+        // Live groups are summed over instances, signed: on 1, a's -0.2 (one request's chance
+        // to end) and b's -1 (the move); on 2, b's +1 - 0.2. Read never below zero.
+        assert!(
+            (pooled.live.count[1] + 1.2).abs() < 1e-12,
+            "{:?}",
+            pooled.live
+        );
+        assert_eq!(pooled.live.on(1), 0.0);
+        assert!((pooled.live.on(2) - 0.8).abs() < 1e-12, "{:?}", pooled.live);
         assert_eq!(a.take_counts().observations, 1);
     }
 

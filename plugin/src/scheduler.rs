@@ -247,9 +247,18 @@ impl<H: SharedData> Scheduler<H> {
         let prediction = self
             .router
             .prediction_for(&decision, &hashes, &loads[endpoint]);
+        // The share the router's commit counts live groups with (before it learns from this
+        // request), so the ledger's count is core's.
+        let share = self.router.growth().continuation_share();
         self.router.commit(&decision, &hashes);
-        self.ledger
-            .observe_growth(decision.continuation, decision.new_blocks());
+        let continued: Vec<bool> = decision.scores.iter().map(|s| s.continues).collect();
+        self.ledger.observe_growth(
+            endpoint,
+            &continued,
+            share,
+            decision.continuation,
+            decision.new_blocks(),
+        );
         let errors = self.router.store_mut().end_request();
         self.count_shared(errors);
         if decision.cold {
@@ -292,11 +301,12 @@ impl<H: SharedData> Scheduler<H> {
 
     /// What the router knows of every endpoint now: its last fresh scrape, the work of every
     /// worker's requests on it, its learned prefill model, and (bounding its believed cache)
-    /// its reported capacity; the fleet's learned lanes and group growth.
+    /// its reported capacity; the fleet's learned lanes and group growth, and where groups live.
     fn loads(&mut self, now_ms: u64) -> Vec<EndpointLoad> {
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
         let learned = pooled.learned.estimate(&self.config.latency);
         self.router.set_growth(pooled.growth);
+        self.router.set_live_groups(pooled.live);
         let stale_after = self.config.scrape.stale_after_ms;
         let routable: Vec<bool> = self.pool.members.iter().map(|m| m.routable).collect();
         (0..self.endpoints())
@@ -603,6 +613,9 @@ impl<H: SharedData> Scheduler<H> {
             self.events.push(Event::EndpointUp(endpoint));
         }
         if transition.forgot {
+            // Its groups went with its cache, as core's `Router::forget_endpoint` says. Only
+            // this worker's share of the count is ours to clear; the others' leak away.
+            self.ledger.forget_live_groups(endpoint);
             self.events.push(Event::IndexForgotten(endpoint));
         }
         if transition.no_capacity {

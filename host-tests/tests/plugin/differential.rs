@@ -462,6 +462,29 @@ fn latency_policy_with_its_own_priors_matches_core() {
     );
 }
 
+/// Sixteen conversations into caches of 600 blocks: where each starts depends on the groups
+/// already living on each endpoint (core's `LiveGroups`, summed in the plugin's ledger
+/// records); a plugin that dropped those counts diverges from core at the 8th request.
+#[test]
+fn latency_policy_on_many_conversations_matches_core() {
+    let r = run(
+        json!({"policy": "latency", "seed": 9, "index_capacity_blocks": 600}),
+        TraceSpec {
+            shape: TraceShape::Conversations,
+            tenants: 16,
+            prompt_words: 60,
+            question_words: 30,
+            requests: 240,
+            ..tenants(9)
+        },
+    );
+    assert!(
+        r.picks.iter().filter(|&&p| p > 0).count() >= 3,
+        "{:?}",
+        r.picks
+    );
+}
+
 #[test]
 fn prefix_policy_matches_core() {
     let r = run(json!({"policy": "prefix", "seed": 3}), tenants(1));

@@ -66,7 +66,7 @@ fn gauges(host: &host_tests::Host, n: usize) -> Vec<i64> {
 /// (`prefixroute/ledger/<slot>`: layout u8, nonce u64, heartbeat u64, lane fit 8 × f64,
 /// hold 2 × f64, growth 3 × f64, n u16, n × (endpoint u64, in_flight u32, prefilling u32,
 /// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64)).
+/// sent_predicted_cached u64, live_groups f64)).
 fn published_total(host: &host_tests::Host) -> u64 {
     const HEAD: usize = 1 + 8 + 8 + 8 * 8 + 2 * 8 + 3 * 8;
     host.shared()
@@ -76,7 +76,7 @@ fn published_total(host: &host_tests::Host) -> u64 {
             let n = u16::from_le_bytes([v[HEAD], v[HEAD + 1]]) as usize;
             (0..n)
                 .map(|i| {
-                    let at = HEAD + 2 + i * 56 + 8;
+                    let at = HEAD + 2 + i * 64 + 8;
                     u64::from(u32::from_le_bytes(v[at..at + 4].try_into().unwrap()))
                 })
                 .sum::<u64>()
