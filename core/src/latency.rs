@@ -1030,19 +1030,19 @@ impl LiveGroups {
             .map_or(0.0, |v| v.max(0.0))
     }
 
-    /// One routed request: it went to `chosen`; `continued[e]` says where it continued its
+    /// One routed request: it went to `chosen`; `continued(e)` says where it continued its
     /// group (where the group lived); `share` is the continuation share the router believes.
-    pub fn observe(&mut self, chosen: usize, continued: &[bool], share: f64) {
+    pub fn observe(&mut self, chosen: usize, continued: impl Fn(usize) -> bool, share: f64) {
         let ended = if share.is_finite() {
             1.0 - share.clamp(0.0, 1.0)
         } else {
             1.0
         };
-        let here = continued.get(chosen).copied().unwrap_or(false);
+        let here = continued(chosen);
         for (e, v) in self.count.iter_mut().enumerate() {
             if e == chosen {
                 *v += if here { 0.0 } else { 1.0 } - ended;
-            } else if !here && continued.get(e).copied().unwrap_or(false) {
+            } else if !here && continued(e) {
                 // The group moves to `chosen`.
                 *v -= 1.0;
             }
@@ -1770,20 +1770,20 @@ mod tests {
         let mut live = LiveGroups::new(3);
         // Two groups start on endpoint 0 and one on 1; every request may be its group's last
         // (here with probability 1 - 0.75).
-        live.observe(0, &[false, false, false], 0.75);
-        live.observe(0, &[false, false, false], 0.75);
-        live.observe(1, &[false, false, false], 0.75);
+        live.observe(0, |e| [false, false, false][e], 0.75);
+        live.observe(0, |e| [false, false, false][e], 0.75);
+        live.observe(1, |e| [false, false, false][e], 0.75);
         assert_eq!(live.on(0), 2.0 * 0.75);
         assert_eq!(live.on(1), 0.75);
         // A continuation on 0 is the same group again: only its chance of ending counts.
-        live.observe(0, &[true, false, false], 0.75);
+        live.observe(0, |e| [true, false, false][e], 0.75);
         assert_eq!(live.on(0), 1.5 - 0.25);
         // A group of endpoint 1 moved to 2 takes its count along.
-        live.observe(2, &[false, true, false], 0.75);
+        live.observe(2, |e| [false, true, false][e], 0.75);
         assert_eq!(live.on(1), 0.0);
         assert_eq!(live.on(2), 0.75);
         // Never negative when read; garbage shares end every group; unknown endpoints are 0.
-        live.observe(1, &[false, true, false], f64::NAN);
+        live.observe(1, |e| [false, true, false][e], f64::NAN);
         assert_eq!(live.on(1), 0.0);
         assert_eq!(live.on(9), 0.0);
         // A changed pool keeps each endpoint's count by identity.

@@ -81,6 +81,11 @@ impl Decision {
     }
 
     /// Blocks of the request the chosen endpoint was not believed to hold.
+    /// Whether the request continued its group on endpoint `e` (where the group lived).
+    pub fn continues_on(&self, e: usize) -> bool {
+        self.scores.get(e).is_some_and(|s| s.continues)
+    }
+
     pub fn new_blocks(&self) -> usize {
         let matched = self
             .scores
@@ -523,9 +528,11 @@ impl<S: PrefixStore> Router<S> {
                 .get(endpoint)
                 .map_or(0, |s| s.matched_blocks),
         );
-        let continued: Vec<bool> = decision.scores.iter().map(|s| s.continues).collect();
-        self.live
-            .observe(endpoint, &continued, self.growth.continuation_share());
+        self.live.observe(
+            endpoint,
+            |e| decision.continues_on(e),
+            self.growth.continuation_share(),
+        );
         self.growth.observe(decision.continuation, new_blocks);
         if decision.cold {
             self.cold_clock += 1;

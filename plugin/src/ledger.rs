@@ -209,12 +209,12 @@ impl Ledger {
 
     /// Learns how groups grow from one routed request, and counts where its group lives, as
     /// core's `Router::commit` does (published with the next write): it went to `endpoint`,
-    /// `continued[e]` says where it continued its group, `share` is the continuation share the
+    /// `continued(e)` says where it continued its group, `share` is the continuation share the
     /// decision was made with.
     pub fn observe_growth(
         &mut self,
         endpoint: usize,
-        continued: &[bool],
+        continued: impl Fn(usize) -> bool,
         share: f64,
         continues: bool,
         new_blocks: usize,
@@ -472,9 +472,9 @@ mod tests {
         a.acquire(&host, 1, &work(500), 0);
         b.acquire(&host, 1, &work(0), 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
-        a.observe_growth(1, &[false, true, false], 0.8, true, 6);
+        a.observe_growth(1, |e| e == 1, 0.8, true, 6);
         // b sees a's group move to endpoint 2 (it was on 1).
-        b.observe_growth(2, &[false, true, false], 0.8, true, 9);
+        b.observe_growth(2, |e| e == 1, 0.8, true, 9);
         a.release(&host, 1, None, None, 20);
         b.tick(&host, 30);
         let pooled = b.totals(&host, 30);

@@ -251,10 +251,9 @@ impl<H: SharedData> Scheduler<H> {
         // request), so the ledger's count is core's.
         let share = self.router.growth().continuation_share();
         self.router.commit(&decision, &hashes);
-        let continued: Vec<bool> = decision.scores.iter().map(|s| s.continues).collect();
         self.ledger.observe_growth(
             endpoint,
-            &continued,
+            |e| decision.continues_on(e),
             share,
             decision.continuation,
             decision.new_blocks(),
