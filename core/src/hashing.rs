@@ -138,54 +138,155 @@ pub fn chain_text_marked(
     out: &mut Vec<u64>,
     marks: &mut Vec<usize>,
 ) -> usize {
-    let block_size = config.block_size.max(1);
+    let mut chain = Chainer::new(seed, config);
     // One comparison per token: the next boundary, `usize::MAX` once none is left.
     let mut boundaries = boundaries.iter().copied();
     let mut next_boundary = boundaries.next().unwrap_or(usize::MAX);
-    let mark = |tokens: usize, marks: &mut Vec<usize>| {
-        let blocks = tokens / block_size;
+    for_each_token_at(text, |start, id| {
+        while start >= next_boundary {
+            chain.mark(marks);
+            next_boundary = boundaries.next().unwrap_or(usize::MAX);
+        }
+        chain.push(id, out);
+    });
+    if next_boundary != usize::MAX {
+        chain.mark(marks);
+        for _ in boundaries {
+            chain.mark(marks);
+        }
+    }
+    chain.finish(out)
+}
+
+/// A chain being built token by token: the hash of its last full block (or the seed) and the
+/// tokens of the block not yet full, as the bytes xxh64 reads.
+#[derive(Debug, Clone)]
+struct Chainer {
+    parent: u64,
+    /// The token ids of the partial block, little-endian, `filled` bytes of them; a token
+    /// costs one 4-byte store here, not a push and a later copy (one-shot xxh64 of a block's
+    /// bytes equals the streaming hash `block_hash` uses for long blocks).
+    pending: Vec<u8>,
+    filled: usize,
+    /// Tokens so far.
+    count: usize,
+    block_size: usize,
+    include_partial: bool,
+}
+
+impl Chainer {
+    fn new(seed: u64, config: HashConfig) -> Chainer {
+        let block_size = config.block_size.max(1);
+        Chainer {
+            parent: seed,
+            pending: vec![0; block_size * 4],
+            filled: 0,
+            count: 0,
+            block_size,
+            include_partial: config.include_partial,
+        }
+    }
+
+    #[inline(always)]
+    fn push(&mut self, id: u32, out: &mut Vec<u64>) {
+        self.count += 1;
+        if let Some(slot) = self.pending.get_mut(self.filled..self.filled + 4) {
+            slot.copy_from_slice(&id.to_le_bytes());
+        }
+        self.filled += 4;
+        if self.filled == self.pending.len() {
+            self.parent = chain_step(&self.pending, self.parent);
+            out.push(self.parent);
+            self.filled = 0;
+        }
+    }
+
+    /// The number of full blocks so far, appended to `marks` unless zero or a repeat.
+    fn mark(&self, marks: &mut Vec<usize>) {
+        let blocks = self.count / self.block_size;
         if blocks > 0 && marks.last() != Some(&blocks) {
             marks.push(blocks);
         }
+    }
+
+    /// Hashes the partial block (if configured) and returns the token count.
+    fn finish(self, out: &mut Vec<u64>) -> usize {
+        if self.filled > 0 && self.include_partial {
+            out.push(chain_step(&self.pending[..self.filled], self.parent));
+        }
+        self.count
+    }
+
+    /// What the chain's future depends on: its last hash, its partial block and the block
+    /// size. Two chains in the same state hash the same text to the same blocks.
+    fn state_key(&self) -> u64 {
+        let mut h = Xxh64::new(self.parent);
+        h.update(&(self.block_size as u64).to_le_bytes());
+        h.update(&self.pending[..self.filled]);
+        h.digest()
+    }
+}
+
+pub mod memo;
+pub use memo::{ChainMemo, MemoStats};
+
+/// [`chain_text_marked`] through `memo`: each chat message whose bytes the chain met in the
+/// same state before is not tokenized again. Exactly `chain_text_marked`'s results.
+fn chain_text_memo(
+    text: &str,
+    seed: u64,
+    config: HashConfig,
+    boundaries: &[usize],
+    memo: &mut ChainMemo,
+    out: &mut Vec<u64>,
+    marks: &mut Vec<usize>,
+) -> usize {
+    // A message is tokenized on its own only if no piece crosses into it: its first byte must
+    // end every run before it (the chat header's `<` does). Otherwise hash the text whole.
+    let bytes = text.as_bytes();
+    let apart = |b: usize| {
+        b == bytes.len()
+            || bytes
+                .get(b)
+                .is_some_and(|&c| crate::tokenizer::ends_runs(c))
     };
-    // The block's token ids go straight into the bytes xxh64 reads (one-shot xxh64 of a
-    // block's bytes equals the streaming hash `block_hash` uses for long blocks), so a token
-    // costs one 4-byte store here, not a push and a later copy.
-    let block_bytes = config.block_size.max(1) * 4;
-    let mut bytes = vec![0u8; block_bytes];
-    let mut filled = 0;
-    let mut parent = seed;
-    let mut count = 0;
-    for_each_token_at(text, |start, id| {
-        while start >= next_boundary {
-            mark(count, marks);
-            next_boundary = boundaries.next().unwrap_or(usize::MAX);
-        }
-        count += 1;
-        if let Some(slot) = bytes.get_mut(filled..filled + 4) {
-            slot.copy_from_slice(&id.to_le_bytes());
-        }
-        filled += 4;
-        if filled == block_bytes {
-            parent = chain_step(&bytes, parent);
-            out.push(parent);
-            filled = 0;
-        }
-    });
-    if filled > 0 && config.include_partial {
-        out.push(chain_step(&bytes[..filled], parent));
+    let ordered = boundaries.windows(2).all(|w| w[0] <= w[1]);
+    if !ordered || !boundaries.iter().all(|&b| apart(b)) {
+        return chain_text_marked(text, seed, config, boundaries, out, marks);
     }
-    if next_boundary != usize::MAX {
-        mark(count, marks);
-        for _ in boundaries {
-            mark(count, marks);
+    let mut chain = Chainer::new(seed, config);
+    let mut start = 0;
+    for end in boundaries.iter().copied().chain([text.len()]) {
+        if start > 0 {
+            chain.mark(marks);
         }
+        // Boundaries fall on ASCII bytes (checked above), so these are character boundaries.
+        memo.chain(&text[start..end], &mut chain, out);
+        start = end;
     }
-    count
+    chain.finish(out)
 }
 
 /// The whole front half of the pipeline: parsed request → tokens → block hashes.
 pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes {
+    hash_request_with(request, config, None)
+}
+
+/// [`hash_request`] through a memo of the chat messages (and prompts) hashed before: the same
+/// hashes, without tokenizing again a system prompt, document or earlier turn `memo` holds.
+pub fn hash_request_memo(
+    request: &ParsedRequest,
+    config: HashConfig,
+    memo: &mut ChainMemo,
+) -> BlockHashes {
+    hash_request_with(request, config, Some(memo))
+}
+
+fn hash_request_with(
+    request: &ParsedRequest,
+    config: HashConfig,
+    mut memo: Option<&mut ChainMemo>,
+) -> BlockHashes {
     let seed = chain_seed(&request.model, request.cache_salt.as_deref().unwrap_or(""));
     let mut hashes = BlockHashes {
         chains: Vec::with_capacity(request.prompts.len()),
@@ -202,8 +303,14 @@ pub fn hash_request(request: &ParsedRequest, config: HashConfig) -> BlockHashes 
                 let mut chain = Vec::with_capacity(blocks);
                 // Message boundaries belong to the chat prompt, the only one.
                 let boundaries = if i == 0 { &request.boundaries[..] } else { &[] };
-                let count =
-                    chain_text_marked(text, seed, config, boundaries, &mut chain, &mut marks);
+                let count = match memo.as_deref_mut() {
+                    Some(memo) => chain_text_memo(
+                        text, seed, config, boundaries, memo, &mut chain, &mut marks,
+                    ),
+                    None => {
+                        chain_text_marked(text, seed, config, boundaries, &mut chain, &mut marks)
+                    }
+                };
                 (count, chain)
             }
             Prompt::Tokens(ids) => (ids.len(), chain_hashes(ids, seed, config)),

@@ -68,6 +68,12 @@ fn is_word_byte(b: u8) -> bool {
     CONTINUES_WORD[b as usize]
 }
 
+/// Does `b` end every run before it (neither continues a word nor is whitespace)? Then no
+/// piece crosses it, and the text from it on tokenizes the same on its own.
+pub(crate) fn ends_runs(b: u8) -> bool {
+    !is_word_byte(b) && class(b) != SPACE
+}
+
 const FNV_OFFSET: u32 = 0x811c_9dc5;
 
 fn fnv_step(hash: u32, b: u8) -> u32 {
