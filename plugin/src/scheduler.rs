@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::feed::FeedPage;
-use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::hashing::{hash_request_memo, ChainMemo, HashConfig};
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
@@ -109,6 +109,9 @@ pub struct Scheduler<H: SharedData> {
     keys: Vec<String>,
     router: Router<SharedIndex<H>>,
     hash: HashConfig,
+    /// This worker's memory of the messages it hashed (a system prompt seen before is not
+    /// tokenized again; see core's `hashing::memo`).
+    memo: ChainMemo,
     ledger: Ledger,
     fallback_cursor: usize,
     pending: BTreeMap<u32, Pending>,
@@ -139,6 +142,7 @@ impl<H: SharedData> Scheduler<H> {
             keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             router: Router::with_store(router_config, addresses.len(), store),
             hash: router_config.hash,
+            memo: ChainMemo::default(),
             ledger: Ledger::new(EndpointIds::new(&addresses), instance_stale_ms(tick)),
             fallback_cursor: 0,
             pending: BTreeMap::new(),
@@ -223,7 +227,15 @@ impl<H: SharedData> Scheduler<H> {
             Ok(r) => r,
             Err(_) => return self.fallback(FallbackReason::ParseError, now_ms),
         };
-        let hashes = hash_request(&request, self.hash);
+        let before = self.memo.stats();
+        let hashes = hash_request_memo(&request, self.hash, &mut self.memo);
+        let after = self.memo.stats();
+        if after != before {
+            self.events.push(Event::HashMemo {
+                hits: (after.hits - before.hits) as u32,
+                misses: (after.misses - before.misses) as u32,
+            });
+        }
         self.router.store_mut().begin_request();
         let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
@@ -1028,6 +1040,7 @@ mod tests {
     use super::*;
     use crate::shared::MemShared;
     use prefixroute_core::config::EndpointConfig;
+    use prefixroute_core::hashing::hash_request;
     use prefixroute_core::latency::{EndpointWork, RequestLedger};
     use prefixroute_core::metrics::ServerMetrics;
     use prefixroute_core::PrefixStore;

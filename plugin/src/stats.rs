@@ -57,6 +57,12 @@ pub enum Event {
         used: u32,
         refused: u32,
     },
+    /// Chat messages (and prompts) of a request long enough for the hash memo: found there
+    /// (not tokenized again) or hashed and remembered.
+    HashMemo {
+        hits: u32,
+        misses: u32,
+    },
     /// How a discovery callout (Envoy's admin `/clusters`) ended.
     Discovery(CalloutEnd),
     /// Hosts of the pool cluster the discovery left out: no numeric `ip:port`, or beyond
@@ -256,6 +262,22 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
         Event::CapacityUnreported(_) => {
             vec![counter("prefixroute.scrape.no_capacity".into(), 1)]
         }
+        Event::HashMemo { hits, misses } => {
+            let mut v = Vec::new();
+            if *hits > 0 {
+                v.push(counter(
+                    "prefixroute.hash_memo.hits".into(),
+                    u64::from(*hits),
+                ));
+            }
+            if *misses > 0 {
+                v.push(counter(
+                    "prefixroute.hash_memo.misses".into(),
+                    u64::from(*misses),
+                ));
+            }
+            v
+        }
         Event::Observations { used, refused } => {
             let mut v = Vec::new();
             if *used > 0 {
@@ -361,6 +383,8 @@ mod tests {
                 gauge("prefixroute.endpoint.b.precise".into(), 1),
             ]
         );
+        let u = updates(&Event::HashMemo { hits: 2, misses: 0 }, &names);
+        assert_eq!(u, vec![counter("prefixroute.hash_memo.hits".into(), 2)]);
         let u = updates(
             &Event::Observations {
                 used: 3,

@@ -157,6 +157,45 @@ fn the_response_names_the_endpoint_policy_and_match() {
 }
 
 #[test]
+fn a_system_prompt_seen_before_is_hashed_from_memory_and_matches_as_core_says() {
+    use prefixroute_core::hashing::{hash_request, HashConfig};
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({})));
+    let system = common::tenant_prompt(5);
+    assert!(system.len() >= prefixroute_core::hashing::memo::MIN_MESSAGE_BYTES);
+    let bodies = [
+        chat_body(&system, "first"),
+        chat_body(&system, "and second"),
+    ];
+    let hashes: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            hash_request(
+                &prefixroute_core::parse_request(b).unwrap(),
+                HashConfig::default(),
+            )
+        })
+        .collect();
+    let mut matches = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        let rt = vm.round_trip(&Request::chat(body.clone())).unwrap();
+        matches.push(rt.response_header("x-prefixroute-match").unwrap());
+        // The system prompt is tokenized once; the questions are too short to remember.
+        assert_eq!(host.stats().value("prefixroute.hash_memo.misses"), 1);
+        assert_eq!(host.stats().value("prefixroute.hash_memo.hits"), i as i64);
+    }
+    // Hashed from memory, the second request has the blocks core hashes: it matches the
+    // first up to where they part (the first 16 blocks are all recorded).
+    let shared = hashes[0].chains[0]
+        .iter()
+        .zip(&hashes[1].chains[0])
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(shared > 3);
+    assert_eq!(matches[1], format!("{shared}/{}", hashes[1].total_blocks()));
+}
+
+#[test]
 fn costs_are_counted_per_request_and_repeat_exactly() {
     let run = || {
         let host = common::host();
