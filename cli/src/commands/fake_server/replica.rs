@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::hashing::{hash_request, hash_request_memo, ChainMemo, HashConfig};
 use prefixroute_core::request::{ParsedRequest, Prompt};
 use prefixroute_core::tokenizer::tokenize;
 use prefixroute_kvevents::schema::{EngineHash, Event};
@@ -42,20 +42,40 @@ pub struct Job {
 impl Job {
     /// Hashes full blocks only (`include_partial: false`): a server can only reuse blocks it has
     /// completely computed, unlike the router, which also names the partial tail.
+    #[cfg(test)]
     pub fn new(request: &ParsedRequest, block_size: usize, output_tokens: usize) -> Job {
+        Job::build(request, block_size, output_tokens, None, true)
+    }
+
+    /// [`Job::new`] through `memo` (a system prompt seen before is not tokenized again), with
+    /// the token ids only when `token_ids` (the KV events carry them; nothing else reads them).
+    fn build(
+        request: &ParsedRequest,
+        block_size: usize,
+        output_tokens: usize,
+        memo: Option<&mut ChainMemo>,
+        token_ids: bool,
+    ) -> Job {
         let config = HashConfig {
             block_size,
             include_partial: false,
         };
-        let hashes = hash_request(request, config);
-        let token_ids = request
-            .prompts
-            .iter()
-            .map(|p| match p {
-                Prompt::Text(text) => tokenize(text),
-                Prompt::Tokens(ids) => ids.clone(),
-            })
-            .collect();
+        let hashes = match memo {
+            Some(memo) => hash_request_memo(request, config, memo),
+            None => hash_request(request, config),
+        };
+        let token_ids = if token_ids {
+            request
+                .prompts
+                .iter()
+                .map(|p| match p {
+                    Prompt::Text(text) => tokenize(text),
+                    Prompt::Tokens(ids) => ids.clone(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Job {
             chains: hashes.chains,
             tokens: hashes.tokens,
@@ -137,6 +157,9 @@ pub struct Replica {
     cache: Mutex<BlockCache>,
     /// Where KV events go (the publisher task), when the server publishes them.
     events: Option<tokio::sync::mpsc::UnboundedSender<Vec<Event>>>,
+    /// The messages this replica hashed: benchmarks send it the same system prompts over and
+    /// over, and the CPU it saves is the routers' (they share the machine).
+    memo: Mutex<ChainMemo>,
     lanes: Arc<Semaphore>,
     waiting: AtomicUsize,
     running: AtomicUsize,
@@ -161,6 +184,7 @@ impl Replica {
     ) -> Replica {
         Replica {
             events,
+            memo: Mutex::new(ChainMemo::default()),
             cache: Mutex::new(BlockCache::new(config.kv_blocks, config.block_size)),
             lanes: Arc::new(Semaphore::new(config.lanes.max(1))),
             config,
@@ -171,6 +195,13 @@ impl Replica {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
         }
+    }
+
+    /// The job of `request`: its full-block chains, hashed through the replica's memo.
+    pub fn job(&self, request: &ParsedRequest, output_tokens: usize) -> Job {
+        let mut memo = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
+        let block_size = self.config.block_size;
+        Job::build(request, block_size, output_tokens, Some(&mut memo), self.events.is_some())
     }
 
     /// A poisoned lock only means another request panicked mid-update; the cache is still a

@@ -213,7 +213,8 @@ struct Plan {
 }
 
 impl Plan {
-    fn parse(api: Api, body: &[u8], config: &ReplicaConfig) -> Result<Plan, ApiError> {
+    fn parse(api: Api, body: &[u8], replica: &Replica) -> Result<Plan, ApiError> {
+        let config = &replica.config;
         let value: Value =
             serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
         let mut request = parse_value(&value)?;
@@ -241,7 +242,7 @@ impl Plan {
         if output_tokens == 0 {
             return Err(ApiError::bad_request("max_tokens must be at least 1"));
         }
-        let job = Job::new(&request, config.block_size, output_tokens);
+        let job = replica.job(&request, output_tokens);
         check_lengths(job.tokens(), output_tokens)?;
         let include_usage = value
             .pointer("/stream_options/include_usage")
@@ -276,7 +277,7 @@ fn check_lengths(prompt_tokens: &[usize], output_tokens: usize) -> Result<(), Ap
 async fn generate(server: &Arc<Server>, request: Request<Incoming>, api: Api) -> Response<Body> {
     let plan = match read_body(request)
         .await
-        .and_then(|body| Plan::parse(api, &body, &server.replica.config))
+        .and_then(|body| Plan::parse(api, &body, &server.replica))
     {
         Ok(plan) => plan,
         Err(err) => return err.response(),
@@ -408,7 +409,7 @@ mod tests {
     }
 
     fn parse(api: Api, body: &str) -> Result<Plan, ApiError> {
-        Plan::parse(api, body.as_bytes(), &config())
+        Plan::parse(api, body.as_bytes(), &Replica::new(config()))
     }
 
     #[test]
