@@ -10,10 +10,17 @@
 //! A hit appends those blocks: the answer is exactly what hashing the message would give
 //! (tested against [`super::hash_request`]), at ~1 instruction per byte instead of ~40.
 //!
+//! A message is remembered the second time it is met, not the first: a stream of prompts that
+//! never repeat (batch jobs, agents, every first turn) then costs the memo one key each and
+//! pushes nothing out, and a hot system prompt is tokenized twice, once more than without the
+//! memo's admission rule (the keys met once sit in a direct-mapped table of `MAX_SEEN` slots:
+//! a key pushed out by another before it came back is met "once" again).
+//!
 //! Memory is bounded by two generations: entries go into the young one; when it holds
 //! `capacity_blocks / 2` blocks (or `MAX_ENTRIES / 2` messages) it becomes the old one and the
 //! old one is dropped; a hit in the old generation moves the entry to the young one. So what
 //! was used within the last half of the capacity stays, as in an LRU, at O(1) per request.
+//! The default half holds about sixty 64 KB system prompts.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -25,9 +32,11 @@ use crate::tokenizer::for_each_token;
 
 /// Messages shorter than this are hashed directly: a lookup would cost about what it saves.
 pub const MIN_MESSAGE_BYTES: usize = 256;
-/// Block hashes the memo keeps by default (two generations of half), 8 bytes each: 256 KB.
-pub const DEFAULT_CAPACITY_BLOCKS: usize = 32_768;
+/// Block hashes the memo keeps by default (two generations of half), 8 bytes each: 1 MB.
+pub const DEFAULT_CAPACITY_BLOCKS: usize = 131_072;
 const MAX_ENTRIES: usize = 1_024;
+/// Keys of messages met once, remembered to admit them when met again.
+const MAX_SEEN: usize = 4_096;
 
 /// What hashing one message did to a chain.
 #[derive(Debug, Clone)]
@@ -76,6 +85,8 @@ pub struct ChainMemo {
     old: Map,
     young_blocks: usize,
     capacity_blocks: usize,
+    /// Keys met once and not remembered yet, each in the slot its low bits name.
+    seen: Vec<u64>,
     stats: MemoStats,
 }
 
@@ -93,6 +104,7 @@ impl ChainMemo {
             old: Map::default(),
             young_blocks: 0,
             capacity_blocks,
+            seen: Vec::new(),
             stats: MemoStats::default(),
         }
     }
@@ -129,6 +141,17 @@ impl ChainMemo {
             return;
         }
         self.stats.misses += 1;
+        if self.seen.is_empty() {
+            self.seen = vec![0; MAX_SEEN];
+        }
+        let slot = &mut self.seen[(key % MAX_SEEN as u64) as usize];
+        if *slot != key {
+            // Met for the first time: remember the key only.
+            *slot = key;
+            for_each_token(message, |id| chain.push(id, out));
+            return;
+        }
+        *slot = 0;
         let (before, tokens) = (out.len(), chain.count);
         for_each_token(message, |id| chain.push(id, out));
         let segment = Segment {
@@ -200,23 +223,47 @@ mod tests {
     };
 
     #[test]
-    fn a_repeated_system_prompt_is_hashed_from_memory_with_the_same_result() {
+    fn a_repeated_system_prompt_is_hashed_from_memory_from_its_third_time_on() {
         let mut memo = ChainMemo::default();
         let system = text(1, 400);
-        for (i, question) in ["why?", "how so?", "and then?"].iter().enumerate() {
+        let questions = ["why?", "how so?", "and then?", "so?"];
+        for (i, question) in questions.iter().enumerate() {
             let body = chat(&[("system", system.clone()), ("user", question.to_string())]);
             let request = parse_request(&body).unwrap();
             assert_eq!(
                 hash_request_memo(&request, CONFIG, &mut memo),
                 hash_request(&request, CONFIG)
             );
-            assert_eq!(memo.stats().hits, i as u64, "request {i}");
+            // Met once: its key; twice: remembered; then taken from memory.
+            assert_eq!(memo.stats().hits, i.saturating_sub(1) as u64, "request {i}");
+            assert_eq!(memo.len(), usize::from(i > 0), "request {i}");
         }
-        assert_eq!(memo.stats().misses, 1);
-        // Another system prompt, or the same one under another model, is not a hit.
+        assert_eq!(memo.stats().misses, 2);
+        // Another system prompt is not a hit.
         let other = chat(&[("system", text(2, 400)), ("user", "why?".into())]);
         hash_request_memo(&parse_request(&other).unwrap(), CONFIG, &mut memo);
-        assert_eq!(memo.stats().misses, 2);
+        assert_eq!(memo.stats().misses, 3);
+    }
+
+    #[test]
+    fn prompts_that_never_repeat_push_nothing_out_of_the_memo() {
+        let mut memo = ChainMemo::new(2_000);
+        let system = chat(&[("system", text(1, 400))]);
+        for _ in 0..3 {
+            hash_request_memo(&parse_request(&system).unwrap(), CONFIG, &mut memo);
+        }
+        let hits = memo.stats().hits;
+        for seed in 10..(10 + 3 * MAX_SEEN / 2) {
+            let body = chat(&[("system", format!("request {seed}. {}", text(seed, 60)))]);
+            hash_request_memo(&parse_request(&body).unwrap(), CONFIG, &mut memo);
+        }
+        assert_eq!(
+            memo.len(),
+            1,
+            "only the system prompt met more than once is kept"
+        );
+        hash_request_memo(&parse_request(&system).unwrap(), CONFIG, &mut memo);
+        assert_eq!(memo.stats().hits, hits + 1);
     }
 
     #[test]
@@ -233,6 +280,7 @@ mod tests {
             );
         }
         assert_eq!(memo.stats(), MemoStats { hits: 0, misses: 2 });
+        assert!(memo.is_empty(), "each met once");
     }
 
     #[test]
@@ -241,6 +289,8 @@ mod tests {
         let mut memo = ChainMemo::new(capacity);
         for seed in 0..200 {
             let body = chat(&[("system", text(seed, 100 + seed % 50))]);
+            // Twice each, so each is remembered.
+            hash_request_memo(&parse_request(&body).unwrap(), CONFIG, &mut memo);
             hash_request_memo(&parse_request(&body).unwrap(), CONFIG, &mut memo);
             let held: usize = memo
                 .young
