@@ -201,7 +201,13 @@ impl Replica {
     pub fn job(&self, request: &ParsedRequest, output_tokens: usize) -> Job {
         let mut memo = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
         let block_size = self.config.block_size;
-        Job::build(request, block_size, output_tokens, Some(&mut memo), self.events.is_some())
+        Job::build(
+            request,
+            block_size,
+            output_tokens,
+            Some(&mut memo),
+            self.events.is_some(),
+        )
     }
 
     /// A poisoned lock only means another request panicked mid-update; the cache is still a
