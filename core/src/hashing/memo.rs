@@ -104,7 +104,8 @@ impl ChainMemo {
             old: Map::default(),
             young_blocks: 0,
             capacity_blocks,
-            seen: Vec::new(),
+            // Made here, not on a request's path (32 KB to zero).
+            seen: vec![0; MAX_SEEN],
             stats: MemoStats::default(),
         }
     }
@@ -141,9 +142,6 @@ impl ChainMemo {
             return;
         }
         self.stats.misses += 1;
-        if self.seen.is_empty() {
-            self.seen = vec![0; MAX_SEEN];
-        }
         let slot = &mut self.seen[(key % MAX_SEEN as u64) as usize];
         if *slot != key {
             // Met for the first time: remember the key only.
