@@ -133,13 +133,17 @@ impl ChainMemo {
         }
         let key = xxh64(message.as_bytes(), chain.state_key());
         if let Some(segment) = self.get(key, message.len()) {
-            out.extend_from_slice(&segment.blocks);
-            chain.count += segment.tokens;
-            chain.parent = segment.parent;
-            chain.pending[..segment.pending.len()].copy_from_slice(&segment.pending);
-            chain.filled = segment.pending.len();
-            self.stats.hits += 1;
-            return;
+            // The partial block always fits (the key's seed holds the block size); checked
+            // anyway, since this runs in the data plane: a mismatch hashes the message.
+            if let Some(pending) = chain.pending.get_mut(..segment.pending.len()) {
+                pending.copy_from_slice(&segment.pending);
+                out.extend_from_slice(&segment.blocks);
+                chain.count += segment.tokens;
+                chain.parent = segment.parent;
+                chain.filled = segment.pending.len();
+                self.stats.hits += 1;
+                return;
+            }
         }
         self.stats.misses += 1;
         let slot = &mut self.seen[(key % MAX_SEEN as u64) as usize];
