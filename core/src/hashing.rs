@@ -217,6 +217,25 @@ impl Chainer {
         self.count
     }
 
+    /// The state a text leaves the chain in (see [`Chainer::resume`]): its last hash and the
+    /// bytes of its partial block.
+    fn state(&self) -> (u64, Vec<u8>) {
+        (self.parent, self.pending[..self.filled].to_vec())
+    }
+
+    /// Continues as if `tokens` more tokens had left the chain in `state`. False (and the
+    /// chain unchanged) if the partial block does not fit this chain's block size.
+    fn resume(&mut self, (parent, pending): (u64, &[u8]), tokens: usize) -> bool {
+        let Some(slot) = self.pending.get_mut(..pending.len()) else {
+            return false;
+        };
+        slot.copy_from_slice(pending);
+        self.filled = pending.len();
+        self.parent = parent;
+        self.count += tokens;
+        true
+    }
+
     /// What the chain's future depends on: its last hash, its partial block and the block
     /// size. Two chains in the same state hash the same text to the same blocks.
     fn state_key(&self) -> u64 {

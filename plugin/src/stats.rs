@@ -140,6 +140,15 @@ pub fn stat_token(name: &str) -> String {
         .collect()
 }
 
+/// A counter increment per name whose count is not zero.
+fn counts(named: &[(&str, u32)]) -> Vec<Update> {
+    named
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|&(name, n)| counter(name.to_string(), u64::from(n)))
+        .collect()
+}
+
 fn counter(name: String, n: u64) -> Update {
     Update {
         kind: Kind::Counter,
@@ -262,38 +271,14 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
         Event::CapacityUnreported(_) => {
             vec![counter("prefixroute.scrape.no_capacity".into(), 1)]
         }
-        Event::HashMemo { hits, misses } => {
-            let mut v = Vec::new();
-            if *hits > 0 {
-                v.push(counter(
-                    "prefixroute.hash_memo.hits".into(),
-                    u64::from(*hits),
-                ));
-            }
-            if *misses > 0 {
-                v.push(counter(
-                    "prefixroute.hash_memo.misses".into(),
-                    u64::from(*misses),
-                ));
-            }
-            v
-        }
-        Event::Observations { used, refused } => {
-            let mut v = Vec::new();
-            if *used > 0 {
-                v.push(counter(
-                    "prefixroute.latency.observations".into(),
-                    u64::from(*used),
-                ));
-            }
-            if *refused > 0 {
-                v.push(counter(
-                    "prefixroute.latency.observations_refused".into(),
-                    u64::from(*refused),
-                ));
-            }
-            v
-        }
+        Event::HashMemo { hits, misses } => counts(&[
+            ("prefixroute.hash_memo.hits", *hits),
+            ("prefixroute.hash_memo.misses", *misses),
+        ]),
+        Event::Observations { used, refused } => counts(&[
+            ("prefixroute.latency.observations", *used),
+            ("prefixroute.latency.observations_refused", *refused),
+        ]),
         Event::Gauges {
             endpoint,
             in_flight,

@@ -135,12 +135,8 @@ impl ChainMemo {
         if let Some(segment) = self.get(key, message.len()) {
             // The partial block always fits (the key's seed holds the block size); checked
             // anyway, since this runs in the data plane: a mismatch hashes the message.
-            if let Some(pending) = chain.pending.get_mut(..segment.pending.len()) {
-                pending.copy_from_slice(&segment.pending);
+            if chain.resume((segment.parent, &segment.pending), segment.tokens) {
                 out.extend_from_slice(&segment.blocks);
-                chain.count += segment.tokens;
-                chain.parent = segment.parent;
-                chain.filled = segment.pending.len();
                 self.stats.hits += 1;
                 return;
             }
@@ -156,12 +152,13 @@ impl ChainMemo {
         *slot = 0;
         let (before, tokens) = (out.len(), chain.count);
         for_each_token(message, |id| chain.push(id, out));
+        let (parent, pending) = chain.state();
         let segment = Segment {
             bytes: message.len(),
             tokens: chain.count - tokens,
             blocks: out[before..].to_vec(),
-            parent: chain.parent,
-            pending: chain.pending[..chain.filled].to_vec(),
+            parent,
+            pending,
         };
         self.insert(key, segment);
     }
