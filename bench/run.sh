@@ -17,7 +17,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 "$here/setup.sh"
 echo "bench: building the CLI and the plugin (release) ..." >&2
 cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+"$root/plugin/build.sh" --quiet
 
 exec python3 "$here/bench.py" \
   --prefixroute "$target/release/prefixroute" \

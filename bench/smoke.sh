@@ -13,7 +13,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 # The debug CLI (test.sh's `cargo test` has built it) is enough for a smoke run; the plugin is
 # always the release build, as deployed.
 cargo build --quiet --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+"$root/plugin/build.sh" --quiet
 
 # Peers and wrk are best effort here: without them the smoke run skips that part.
 if ! timeout 180 "$here/setup.sh" --peers-only sglang-router; then

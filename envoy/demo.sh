@@ -13,7 +13,7 @@ target="${CARGO_TARGET_DIR:-$root/target}"
 "$root/envoy/setup.sh"
 echo "building the CLI and the plugin (release) ..." >&2
 cargo build --quiet --release --manifest-path "$root/Cargo.toml" -p prefixroute
-cargo build --quiet --profile wasm --manifest-path "$root/Cargo.toml" -p prefixroute-plugin --target wasm32-wasip1
+"$root/plugin/build.sh" --quiet
 
 exec "$target/release/prefixroute" compare \
   --envoy "$root/.venv/bin/envoy" \

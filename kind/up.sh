@@ -81,7 +81,7 @@ rustup target add wasm32-wasip1 >/dev/null 2>&1 ||
     echo "   (rustup not found or offline: assuming the wasm32-wasip1 target is installed)"
 (cd "$root" && cargo build --release -p prefixroute) ||
     die "cargo build of the CLI failed"
-(cd "$root" && cargo build --profile wasm -p prefixroute-plugin --target wasm32-wasip1) ||
+"$root/plugin/build.sh" ||
     die "cargo build of the plugin failed (is the wasm32-wasip1 target installed?)"
 cli=$target/release/prefixroute
 wasm=$target/wasm32-wasip1/wasm/prefixroute_plugin.wasm

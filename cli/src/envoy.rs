@@ -348,8 +348,8 @@ pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
         .flatten()
         .find(|p| p.is_file())
         .context(
-            "plugin not found: pass --plugin PATH or build it with \
-         `cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm`",
+            "plugin not found: pass --plugin PATH or build it with `plugin/build.sh` \
+         (cargo's wasm profile, then wasm-opt)",
         )
 }
 

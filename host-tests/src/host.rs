@@ -164,8 +164,7 @@ impl Plugin {
     }
 }
 
-const BUILD: &str = "CARGO_TARGET_DIR=/tmp/target-host cargo build -p prefixroute-plugin \
-                     --target wasm32-wasip1 --profile wasm";
+const BUILD: &str = "CARGO_TARGET_DIR=/tmp/target-host plugin/build.sh";
 
 /// Finds `prefixroute_plugin.wasm`: `$PREFIXROUTE_PLUGIN_WASM`, else
 /// `$CARGO_TARGET_DIR/wasm32-wasip1/wasm/`, else `<repo>/target/wasm32-wasip1/wasm/`,

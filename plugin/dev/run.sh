@@ -12,7 +12,7 @@ ENVOY="${ENVOY:-$ROOT/.venv/bin/envoy}"
 WORK="${WORK:-$(mktemp -d /tmp/prefixroute-dev.XXXXXX)}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/target-plugin}"
 
-(cd "$ROOT" && cargo build -p prefixroute-plugin --target wasm32-wasip1 --profile wasm)
+"$ROOT/plugin/build.sh"
 WASM="$CARGO_TARGET_DIR/wasm32-wasip1/wasm/prefixroute_plugin.wasm"
 cp "$WASM" "$WORK/prefixroute_plugin.wasm"
 echo "plugin: $(stat -c %s "$WORK/prefixroute_plugin.wasm") bytes; logs in $WORK"
