@@ -42,6 +42,12 @@ step "core builds for both wasm targets; the plugin builds (wasm profile, then w
 cargo build -p prefixroute-core --target wasm32-wasip1
 cargo build -p prefixroute-core --target wasm32-unknown-unknown
 plugin/build.sh
+# What Envoy loads here is what the benchmarks measured: wasm-opt's output, not cargo's module.
+wasm_dir="${CARGO_TARGET_DIR:-$PWD/target}/wasm32-wasip1/wasm"
+if cmp -s "$wasm_dir/deps/prefixroute_plugin.wasm" "$wasm_dir/prefixroute_plugin.wasm"; then
+  echo "plugin/build.sh left cargo's module unoptimised (is wasm-opt installed?)" >&2
+  exit 1
+fi
 
 step "unit, property, CLI, kind manifest and wasmtime host tests"
 cargo test --workspace
