@@ -26,13 +26,16 @@ wasm="$dir/prefixroute_plugin.wasm"
 # from: cargo relinks its own module on every build, even when nothing changed, and then the
 # optimised one is copied back instead of optimised again.
 cache="$dir/prefixroute_plugin.wasm-opt"
-linked=$(sha256sum "$wasm" | cut -d' ' -f1)
+digest() {
+  if command -v sha256sum >/dev/null; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -d' ' -f1
+}
+linked=$(digest "$wasm")
 if [ -f "$cache" ] && [ -f "$cache.from" ]; then
   if [ "$(cat "$cache.from")" = "$linked" ]; then
     cp "$cache" "$wasm.tmp" && mv "$wasm.tmp" "$wasm"
     exit 0
   fi
-  if [ "$(sha256sum "$cache" | cut -d' ' -f1)" = "$linked" ]; then
+  if [ "$(digest "$cache")" = "$linked" ]; then
     exit 0 # already the optimised module
   fi
 fi
