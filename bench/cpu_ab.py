@@ -11,6 +11,8 @@ system's cost above Envoy-without-a-filter to the first plugin's.
 
   python3 bench/cpu_ab.py --plugin-wasm old=/tmp/old.wasm --plugin-wasm new=target/wasm32-wasip1/wasm/prefixroute_plugin.wasm
   python3 bench/cpu_ab.py --sizes 1,8,64 --warmth warm,cold --rounds 5
+  python3 bench/cpu_ab.py --sizes 8 --warmth warm --floor-variant 12:0 --floor-variant 12:12
+      (what a shared-data get and set cost Envoy: the floor filter plus that many calls)
 
 Builds the floor filter (cargo, wasm32-wasip1) unless --floor-wasm is given. Everything listens
 on 127.0.0.1; every process it starts is stopped when it ends.
@@ -52,11 +54,16 @@ def envoy_pid(router):
     raise RuntimeError(f"no Envoy process under prefixroute serve (pid {router.proc.pid})")
 
 
-def build_floor():
-    target = Path(tempfile.gettempdir()) / "prefixroute-floor-target"
+def build_floor(gets=0, sets=0):
+    """The floor filter; with `gets`/`sets`, the variant that also makes that many shared-data
+    calls per request (each variant in its own target directory)."""
+    suffix = f"-{gets}-{sets}" if gets or sets else ""
+    target = Path(tempfile.gettempdir()) / f"prefixroute-floor-target{suffix}"
+    build_env = dict(os.environ, CARGO_TARGET_DIR=str(target),
+                     FLOOR_SHARED_GETS=str(gets), FLOOR_SHARED_SETS=str(sets))
     subprocess.run(["cargo", "build", "--quiet", "--release", "--target", "wasm32-wasip1",
                     "--manifest-path", str(HERE / "floor" / "Cargo.toml")],
-                   check=True, env=dict(os.environ, CARGO_TARGET_DIR=str(target)))
+                   check=True, env=build_env)
     return target / "wasm32-wasip1" / "release" / "prefixroute_floor_filter.wasm"
 
 
@@ -100,6 +107,9 @@ def main():
     p.add_argument("--plugin-wasm", action="append", default=[],
                    help="NAME=PATH of a plugin build (repeat for an A/B; default: this tree's)")
     p.add_argument("--floor-wasm", default=None, help="the floor filter (default: build it)")
+    p.add_argument("--floor-variant", action="append", default=[],
+                   help="GETS:SETS: also the floor filter making that many get_shared_data / "
+                        "set_shared_data calls per request (repeat for more)")
     p.add_argument("--sizes", default="8,64", help="body sizes in KB")
     p.add_argument("--warmth", default="warm,cold")
     p.add_argument("--rounds", type=int, default=5)
@@ -121,6 +131,10 @@ def main():
     try:
         systems.append(Served(env, "Envoy ROUND_ROBIN", fleet, None, "round-robin"))
         systems.append(Served(env, "floor filter", fleet, floor, "latency", ["--static-pool"]))
+        for variant in args.floor_variant:
+            gets, sets = (int(n) for n in variant.split(":"))
+            systems.append(Served(env, f"floor filter + {gets} gets, {sets} sets", fleet,
+                                  str(build_floor(gets, sets)), "latency", ["--static-pool"]))
         for name, wasm in plugins:
             systems.append(Served(env, f"prefixroute {name}", fleet, wasm, "latency"))
         for size in [int(s) * 1024 for s in args.sizes.split(",")]:
