@@ -23,7 +23,7 @@ use crate::shared::{
     EndpointIds, SharedData, SharedDataErrors, FEED_KEY,
 };
 use crate::stats::{stat_token, CalloutEnd, Event};
-use crate::store::{table_bits, SharedIndex};
+use crate::store::{table_bits, SharedIndex, TrackedHost};
 
 /// How a request's endpoint was chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -214,7 +214,7 @@ impl<H: SharedData> Scheduler<H> {
         self.router.store().table_bits()
     }
 
-    fn host(&self) -> &H {
+    fn host(&self) -> &TrackedHost<H> {
         self.router.store().host()
     }
 
@@ -236,7 +236,7 @@ impl<H: SharedData> Scheduler<H> {
                 misses: (after.misses - before.misses) as u32,
             });
         }
-        self.router.store_mut().begin_request();
+        self.router.store_mut().begin_request_at(now_ms);
         let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
         let last_cold: Vec<Option<u64>> = (0..self.endpoints())

@@ -28,9 +28,12 @@ pub trait SharedData {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), SetError>;
 }
 
+/// What every [`endpoint_key`] starts with.
+pub const ENDPOINT_KEY_PREFIX: &str = "prefixroute/ep/";
+
 /// Key of an endpoint's [`crate::codec::EndpointState`].
 pub fn endpoint_key(address: &str) -> String {
-    format!("prefixroute/ep/{address}")
+    format!("{ENDPOINT_KEY_PREFIX}{address}")
 }
 
 /// Key of an index bucket. The table size is part of the key so that two configurations with

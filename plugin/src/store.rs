@@ -32,7 +32,10 @@
 //!
 //! Reads are cached for one request (the router asks every endpoint about every block), so a
 //! request costs one `get` per bucket it touches, and the CAS writes reuse the tokens of those
-//! reads.
+//! reads. Endpoint records are also carried to the worker's next requests for [`CARRY_MS`]
+//! (reads only; dropped as soon as this worker writes any endpoint record): a `get` costs Envoy
+//! microseconds and the router reads every endpoint's record per request, so this is what keeps
+//! a request's cost from growing with the pool (68 gets at 64 endpoints before, 5 after).
 
 use std::cell::RefCell;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -44,8 +47,8 @@ use prefixroute_core::PrefixStore;
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
 use crate::shared::{
-    endpoint_key, read_modify_write, read_or_default, BucketKeys, EndpointIds, SharedData,
-    SharedDataErrors, Versioned, CAS_ATTEMPTS,
+    endpoint_key, read_modify_write, read_or_default, BucketKeys, EndpointIds, SetError,
+    SharedData, SharedDataErrors, Versioned, CAS_ATTEMPTS, ENDPOINT_KEY_PREFIX,
 };
 use crate::window::DeadStamps;
 
@@ -238,11 +241,54 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// How long a worker serves an endpoint record it read for an earlier request to the reads of
+/// later ones (not to writes: a CAS write always reads the record first). A shared-data read
+/// costs Envoy 3-6 us (docs/benchmarks.md), one per endpoint per request; within this window
+/// another worker's write to the record (its clock, a scrape, a down mark) reaches this
+/// worker's decisions up to this much later, against scrape intervals of hundreds of ms.
+pub const CARRY_MS: u64 = 5;
+
+/// The index's host: the worker's shared data, counting this worker's writes to endpoint
+/// records (`prefixroute/ep/...`), so that records carried from an earlier request are dropped
+/// once this worker wrote any (the scheduler's scrape, cold-pick and down writes go through
+/// here too).
+#[derive(Debug)]
+pub struct TrackedHost<H> {
+    inner: H,
+    endpoint_writes: std::cell::Cell<u64>,
+}
+
+impl<H> TrackedHost<H> {
+    pub fn inner(&self) -> &H {
+        &self.inner
+    }
+}
+
+impl<H: SharedData> SharedData for TrackedHost<H> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, u32> {
+        self.inner.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), SetError> {
+        if key.starts_with(ENDPOINT_KEY_PREFIX) {
+            self.endpoint_writes.set(self.endpoint_writes.get() + 1);
+        }
+        self.inner.set(key, value, cas)
+    }
+}
+
 /// Per-request read cache, and the request's index writes, applied to the cached buckets at
 /// once (so the request reads its own writes) and sent to shared data by `end_request`.
 #[derive(Debug, Default)]
 struct Cache {
     states: CacheMap<usize, Slot<EndpointState>>,
+    /// Endpoint records read by earlier requests, with the time of the read: served to reads
+    /// while younger than [`CARRY_MS`] (see [`SharedIndex::begin_request_at`]).
+    carried: CacheMap<usize, (EndpointState, u64)>,
+    /// The time of the current request (`begin_request_at`); `None`: carry nothing.
+    now_ms: Option<u64>,
+    /// The host's count of endpoint-record writes when `carried` was last filled.
+    carried_writes: u64,
     buckets: CacheMap<u64, Slot<Bucket>>,
     /// (bucket, update) in the order queued; grouped by bucket when sent.
     pending: Vec<(u64, Update)>,
@@ -252,7 +298,7 @@ struct Cache {
 /// [`PrefixStore`] over shared data (see the module docs).
 #[derive(Debug)]
 pub struct SharedIndex<H: SharedData> {
-    host: H,
+    host: TrackedHost<H>,
     ids: EndpointIds,
     state_keys: Vec<String>,
     /// The configured capacity (what the table is sized for).
@@ -318,7 +364,10 @@ impl<H: SharedData> SharedIndex<H> {
     ) -> Self {
         let capacity = capacity_blocks.max(1) as u64;
         let mut index = SharedIndex {
-            host,
+            host: TrackedHost {
+                inner: host,
+                endpoint_writes: std::cell::Cell::new(0),
+            },
             state_keys: Vec::new(),
             capacities: Vec::new(),
             ids: EndpointIds::new(&[]),
@@ -411,7 +460,7 @@ impl<H: SharedData> SharedIndex<H> {
         &self.ids
     }
 
-    pub fn host(&self) -> &H {
+    pub fn host(&self) -> &TrackedHost<H> {
         &self.host
     }
 
@@ -435,6 +484,29 @@ impl<H: SharedData> SharedIndex<H> {
     pub fn begin_request(&mut self) {
         let cache = self.cache.get_mut();
         cache.states.clear();
+        cache.carried.clear();
+        cache.now_ms = None;
+        cache.buckets.clear();
+        cache.pending.clear();
+    }
+
+    /// [`Self::begin_request`] for a request at `now_ms` that may read the endpoint records
+    /// earlier requests of this worker read, while younger than [`CARRY_MS`] and not written by
+    /// this worker since (buckets are always read afresh: they are what a decision matches on).
+    /// With one worker this reads exactly what shared data holds; with several, another
+    /// worker's write to a record is seen up to [`CARRY_MS`] late.
+    pub fn begin_request_at(&mut self, now_ms: u64) {
+        let writes = self.host.endpoint_writes.get();
+        let cache = self.cache.get_mut();
+        if writes != cache.carried_writes {
+            cache.carried.clear();
+        } else {
+            cache
+                .carried
+                .retain(|_, &mut (_, read_at)| now_ms.saturating_sub(read_at) < CARRY_MS);
+        }
+        cache.now_ms = Some(now_ms);
+        cache.states.clear();
         cache.buckets.clear();
         cache.pending.clear();
     }
@@ -449,7 +521,16 @@ impl<H: SharedData> SharedIndex<H> {
         for run in runs(&pending, |&(bucket, _)| bucket) {
             self.write_bucket(pending[run.start].0, &updates[run]);
         }
+        let writes = self.host.endpoint_writes.get();
         let cache = self.cache.get_mut();
+        // What this request read or wrote of the endpoint records is current as of its time:
+        // carried to the next request (see `begin_request_at`).
+        if let Some(read_at) = cache.now_ms.take() {
+            for (endpoint, slot) in cache.states.drain() {
+                cache.carried.insert(endpoint, (slot.value, read_at));
+            }
+            cache.carried_writes = writes;
+        }
         cache.states.clear();
         cache.buckets.clear();
         std::mem::take(&mut cache.errors)
@@ -480,6 +561,8 @@ impl<H: SharedData> SharedIndex<H> {
                 if after_own_write || slot.cas.is_some() {
                     return f(&slot.value);
                 }
+            } else if let Some((value, _)) = cache.carried.get(&endpoint) {
+                return f(value);
             }
         }
         if let Err(status) = self.fetch_state(endpoint) {
@@ -1385,5 +1468,58 @@ mod tests {
             EndpointState::default()
         );
         assert_eq!(s.longest_match(0, &[1]), 0);
+    }
+
+    /// One request at `now_ms` asking what endpoint 0's cache holds: reads only its record.
+    fn believed_blocks(s: &mut SharedIndex<MemShared>, now_ms: u64) -> usize {
+        s.begin_request_at(now_ms);
+        let room = s.room(0);
+        s.end_request();
+        room.believed_blocks
+    }
+
+    #[test]
+    fn a_record_read_for_one_request_serves_the_next_within_carry_ms_and_is_read_again_after() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(2), 1000);
+        believed_blocks(&mut s, 100);
+        let (gets, _) = host.calls();
+        believed_blocks(&mut s, 100 + CARRY_MS - 1);
+        assert_eq!(host.calls().0, gets, "served from the last request's read");
+        believed_blocks(&mut s, 100 + CARRY_MS - 1 + CARRY_MS);
+        assert_eq!(host.calls().0, gets + 1, "older than CARRY_MS: read again");
+        // `begin_request` (no time) carries nothing.
+        s.begin_request();
+        s.room(0);
+        s.end_request();
+        assert_eq!(host.calls().0, gets + 2);
+    }
+
+    #[test]
+    fn another_workers_write_is_seen_within_carry_ms_and_this_workers_own_write_at_once() {
+        let host = MemShared::new();
+        let a = addrs(2);
+        let mut w1 = SharedIndex::new(host.clone(), &a, 1000);
+        let mut w2 = SharedIndex::new(host.clone(), &a, 1000);
+        assert_eq!(believed_blocks(&mut w2, 0), 0);
+        w1.begin_request_at(0);
+        w1.record(0, &[1, 2, 3]);
+        w1.end_request();
+        assert_eq!(believed_blocks(&mut w1, 1), 3, "the writer sees its write");
+        // w2 still serves its read of time 0 (at most CARRY_MS old), then reads w1's write.
+        assert_eq!(believed_blocks(&mut w2, 1), 0);
+        assert_eq!(believed_blocks(&mut w2, CARRY_MS), 3);
+        // A write of w2's own to an endpoint record between its requests (as the scheduler's
+        // scrape, cold-pick and down writes are) drops what it carries: w1's next write is
+        // seen by w2's next request without waiting.
+        w1.begin_request_at(CARRY_MS);
+        w1.record(0, &[4, 5]);
+        w1.end_request();
+        assert_eq!(believed_blocks(&mut w2, CARRY_MS + 1), 3);
+        let key = endpoint_key(&a[1]);
+        w2.host()
+            .set(&key, &EndpointState::default().encode(), 0)
+            .unwrap();
+        assert_eq!(believed_blocks(&mut w2, CARRY_MS + 2), 5);
     }
 }
