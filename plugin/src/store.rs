@@ -37,7 +37,7 @@
 //! microseconds and the router reads every endpoint's record per request, so this is what keeps
 //! a request's cost from growing with the pool (68 gets at 64 endpoints before, 5 after).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use prefixroute_core::index::{believed_match, record_positions, Search};
@@ -255,13 +255,7 @@ pub const CARRY_MS: u64 = 5;
 #[derive(Debug)]
 pub struct TrackedHost<H> {
     inner: H,
-    endpoint_writes: std::cell::Cell<u64>,
-}
-
-impl<H> TrackedHost<H> {
-    pub fn inner(&self) -> &H {
-        &self.inner
-    }
+    endpoint_writes: Cell<u64>,
 }
 
 impl<H: SharedData> SharedData for TrackedHost<H> {
@@ -366,7 +360,7 @@ impl<H: SharedData> SharedIndex<H> {
         let mut index = SharedIndex {
             host: TrackedHost {
                 inner: host,
-                endpoint_writes: std::cell::Cell::new(0),
+                endpoint_writes: Cell::new(0),
             },
             state_keys: Vec::new(),
             capacities: Vec::new(),
@@ -482,12 +476,8 @@ impl<H: SharedData> SharedIndex<H> {
 
     /// Forget cached reads: call before each request so it sees other workers' writes.
     pub fn begin_request(&mut self) {
-        let cache = self.cache.get_mut();
-        cache.states.clear();
-        cache.carried.clear();
-        cache.now_ms = None;
-        cache.buckets.clear();
-        cache.pending.clear();
+        self.cache.get_mut().carried.clear();
+        self.start_request(None);
     }
 
     /// [`Self::begin_request`] for a request at `now_ms` that may read the endpoint records
@@ -505,7 +495,14 @@ impl<H: SharedData> SharedIndex<H> {
                 .carried
                 .retain(|_, &mut (_, read_at)| now_ms.saturating_sub(read_at) < CARRY_MS);
         }
-        cache.now_ms = Some(now_ms);
+        self.start_request(Some(now_ms));
+    }
+
+    /// The per-request part of the cache, emptied for a request at `now_ms` (`None`: one whose
+    /// reads are not carried on).
+    fn start_request(&mut self, now_ms: Option<u64>) {
+        let cache = self.cache.get_mut();
+        cache.now_ms = now_ms;
         cache.states.clear();
         cache.buckets.clear();
         cache.pending.clear();
