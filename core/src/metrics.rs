@@ -255,16 +255,72 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Rust's float parser already accepts everything Prometheus writes (`NaN`, `+Inf`, `-Inf`,
-/// `Inf`, exponents such as `1.5e+03`), case-insensitively, so no special-casing is needed.
+/// A sample value: Prometheus's `NaN`, `+Inf`, `-Inf` (case-insensitive, `Infinity` too), then a
+/// decimal number with an optional sign and exponent (`1.5e+03`, `.5`, `5.`, `007`).
+///
+/// The digits go through serde_json's number parser, not `str::parse::<f64>`: the plugin links
+/// serde_json's anyway, while std's (Eisel-Lemire with a 10 KB table of powers of five, plus a
+/// big-decimal fallback) would add 15 KB to the `.wasm` for this one call. serde_json's
+/// (without its `float_roundtrip` feature, which would cost more than std's) is one correctly
+/// rounded multiplication or division when the digits fit in 2^53 and the power of ten is at
+/// most 22, so exact for the counts, fractions and seconds engines report, and otherwise at
+/// most an ulp away (a 17-digit `repr` such as `0.30000000000000004`): nothing a score could
+/// notice. A value beyond `f64`'s range is rejected rather than taken as infinite.
 fn parse_value(token: &str) -> Option<f64> {
-    token.parse::<f64>().ok()
+    let (negative, unsigned) = match token.as_bytes().first()? {
+        b'-' => (true, &token[1..]),
+        b'+' => (false, &token[1..]),
+        _ => (false, token),
+    };
+    let magnitude =
+        if unsigned.eq_ignore_ascii_case("inf") || unsigned.eq_ignore_ascii_case("infinity") {
+            f64::INFINITY
+        } else if unsigned.eq_ignore_ascii_case("nan") {
+            f64::NAN
+        } else {
+            parse_decimal(unsigned)?
+        };
+    Some(if negative { -magnitude } else { magnitude })
+}
+
+/// An unsigned decimal number as JSON spells it after the forms JSON lacks are rewritten:
+/// leading zeros dropped, `.5` → `0.5`, `5.` → `5`.
+fn parse_decimal(digits: &str) -> Option<f64> {
+    // Digits and at most one point before the exponent: no sign here, no `_`, no hex.
+    let (mantissa, exponent) = match digits.find(['e', 'E']) {
+        Some(at) => digits.split_at(at),
+        None => (digits, ""),
+    };
+    let mut dots = 0;
+    let mut has_digit = false;
+    for b in mantissa.bytes() {
+        match b {
+            b'0'..=b'9' => has_digit = true,
+            b'.' => dots += 1,
+            _ => return None,
+        }
+    }
+    if !has_digit || dots > 1 {
+        return None;
+    }
+    let trimmed = mantissa.trim_start_matches('0');
+    let mut json = String::with_capacity(digits.len() + 2);
+    if trimmed.is_empty() || trimmed.starts_with('.') {
+        json.push('0');
+    }
+    json.push_str(trimmed);
+    if json.ends_with('.') {
+        // `5.` is the integer 5 (a `.0` would be one more digit to scale by).
+        json.pop();
+    }
+    json.push_str(exponent);
+    serde_json::from_str::<f64>(&json).ok()
 }
 
 /// Prometheus writes integer milliseconds, OpenMetrics fractional seconds; both are accepted
 /// since the value is discarded anyway and rejecting a scrape over it would help nobody.
 fn is_timestamp(token: &str) -> bool {
-    token.parse::<i64>().is_ok() || token.parse::<f64>().is_ok_and(f64::is_finite)
+    parse_value(token).is_some_and(f64::is_finite)
 }
 
 fn parse_sample(body: &str, line: usize) -> Result<Sample, MetricsError> {
@@ -745,6 +801,15 @@ vllm:cache_config_info{engine=\"1\",block_size=\"32\",num_gpu_blocks=\"50\"} 1
         assert_eq!(value_of("m -7"), -7.0);
         assert_eq!(value_of("m +.5"), 0.5);
         assert_eq!(value_of("m 1e308"), 1e308);
+        assert_eq!(value_of("m 5."), 5.0);
+        assert_eq!(value_of("m 007.25"), 7.25);
+        assert_eq!(value_of("m -INFINITY"), f64::NEG_INFINITY);
+        assert_eq!(value_of("m 0.30000000000000004"), 0.30000000000000004);
+        for bad in [
+            "1e400", ".", "-", "1.2.3", ".e5", "0x10", "1_000", "1e", "++1", "nan1",
+        ] {
+            assert_eq!(parse_value(bad), None, "{bad}");
+        }
     }
 
     #[test]
@@ -980,7 +1045,32 @@ vllm:cache_config_info{engine=\"1\",block_size=\"32\",num_gpu_blocks=\"50\"} 1
         ) {
             let sample = Sample { name, labels: labels.into_iter().collect(), value };
             let text = format!("# HELP x y\n{}\n", render(&sample));
-            prop_assert_eq!(parse_text(&text).unwrap(), vec![sample]);
+            let parsed = parse_text(&text).unwrap();
+            prop_assert_eq!(parsed.len(), 1);
+            prop_assert_eq!(&parsed[0].name, &sample.name);
+            prop_assert_eq!(&parsed[0].labels, &sample.labels);
+            // Within an ulp (see `parse_value`): the same sign and adjacent bit patterns.
+            let (got, want) = (parsed[0].value.to_bits() as i64, sample.value.to_bits() as i64);
+            prop_assert!((got - want).abs() <= 1, "{} parsed as {}", sample.value, parsed[0].value);
+        }
+
+        #[test]
+        fn values_with_at_most_15_digits_and_small_exponents_parse_as_std_does(
+            digits in 0u64..(1 << 53),
+            exponent in -22i32..=22,
+            style in 0..3,
+        ) {
+            let text = match style {
+                0 => format!("{digits}e{exponent}"),
+                1 => {
+                    // A point `places` digits from the right: `123.45`, `0.0012`, `5.`.
+                    let places = exponent.unsigned_abs() as usize % 16;
+                    let scale = 10u64.pow(places as u32);
+                    format!("{}.{:0places$}", digits / scale, if places == 0 { String::new() } else { (digits % scale).to_string() })
+                }
+                _ => format!("+{digits}E{exponent:+}"),
+            };
+            prop_assert_eq!(parse_value(&text), text.parse::<f64>().ok(), "{}", text);
         }
     }
 }
