@@ -1,7 +1,5 @@
 //! The host behind the scheduler's abstractions: shared data and Envoy stats.
 
-use std::collections::BTreeMap;
-
 use proxy_wasm::types::{LogLevel, MetricType};
 
 use crate::abi;
@@ -29,10 +27,13 @@ impl SharedData for HostShared {
 }
 
 /// Metric ids by name, defined on first use (each VM defines its own ids for the same Envoy
-/// stat, so workers add up in one counter).
+/// stat, so workers add up in one counter). A vector sorted by (kind, name), searched by
+/// bisection: the same lookups as a `BTreeMap` (a tick's gauges at 1,024 endpoints are ten
+/// comparisons each) without linking a B-tree into the `.wasm` (this and the scheduler's
+/// callouts were the plugin's two `BTreeMap`s: 10 KB).
 #[derive(Debug, Default)]
 pub struct Metrics {
-    ids: BTreeMap<(Kind, String), u32>,
+    ids: Vec<((Kind, String), u32)>,
 }
 
 impl Metrics {
@@ -40,9 +41,9 @@ impl Metrics {
         for event in events {
             for u in updates(event, names) {
                 let key = (u.kind, u.name);
-                let id = match self.ids.get(&key) {
-                    Some(&id) => id,
-                    None => {
+                let id = match self.ids.binary_search_by(|(k, _)| k.cmp(&key)) {
+                    Ok(at) => self.ids[at].1,
+                    Err(at) => {
                         let kind = match key.0 {
                             Kind::Counter => MetricType::Counter,
                             Kind::Gauge => MetricType::Gauge,
@@ -51,7 +52,7 @@ impl Metrics {
                         let Ok(id) = abi::define_metric(kind, &key.1) else {
                             continue;
                         };
-                        self.ids.insert(key, id);
+                        self.ids.insert(at, (key, id));
                         id
                     }
                 };

@@ -3,8 +3,6 @@
 //! [`SharedData`], so the whole request/tick/scrape cycle runs in native tests, several
 //! "workers" sharing one [`crate::shared::MemShared`].
 
-use std::collections::BTreeMap;
-
 use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::feed::FeedPage;
@@ -114,7 +112,9 @@ pub struct Scheduler<H: SharedData> {
     memo: ChainMemo,
     ledger: Ledger,
     fallback_cursor: usize,
-    pending: BTreeMap<u32, Pending>,
+    /// Scrapes in flight by callout token: at most one per endpoint, so a vector searched
+    /// front to back (a tick already walks it per endpoint).
+    pending: Vec<(u32, Pending)>,
     events: Vec<Event>,
     tick_ms: u64,
 }
@@ -145,7 +145,7 @@ impl<H: SharedData> Scheduler<H> {
             memo: ChainMemo::default(),
             ledger: Ledger::new(EndpointIds::new(&addresses), instance_stale_ms(tick)),
             fallback_cursor: 0,
-            pending: BTreeMap::new(),
+            pending: Vec::new(),
             events: Vec::new(),
             tick_ms: tick,
             pool: Pool {
@@ -504,14 +504,14 @@ impl<H: SharedData> Scheduler<H> {
         // block its endpoint's scrapes.
         let expiry = self.config.scrape.timeout_ms + self.config.scrape.interval_ms;
         self.pending
-            .retain(|_, p| now_ms.saturating_sub(p.sent_ms) <= expiry);
+            .retain(|(_, p)| now_ms.saturating_sub(p.sent_ms) <= expiry);
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
         let rates = pooled.learned.estimate(&self.config.latency).ms_per_token;
         let mut due = Vec::new();
         for (e, work) in pooled.work.iter().enumerate() {
             let key = &self.keys[e];
             let id = self.ledger.id_of(e);
-            let awaiting = self.pending.values().any(|p| Some(p.endpoint_id) == id);
+            let awaiting = self.pending.iter().any(|(_, p)| Some(p.endpoint_id) == id);
             let (claim, state) = if awaiting {
                 (Claim::NotDue, scrape::read(self.host(), key))
             } else {
@@ -559,13 +559,13 @@ impl<H: SharedData> Scheduler<H> {
         let Some(endpoint_id) = self.ledger.id_of(endpoint) else {
             return;
         };
-        self.pending.insert(
+        self.pending.push((
             token,
             Pending {
                 endpoint_id,
                 sent_ms: now_ms,
             },
-        );
+        ));
     }
 
     /// Envoy refused to send the callout. Not the endpoint's fault, so not a failure towards
@@ -586,7 +586,8 @@ impl<H: SharedData> Scheduler<H> {
         body: &[u8],
         now_ms: u64,
     ) -> Option<(usize, Transition)> {
-        let Pending { endpoint_id, .. } = self.pending.remove(&token)?;
+        let at = self.pending.iter().position(|(t, _)| *t == token)?;
+        let (_, Pending { endpoint_id, .. }) = self.pending.swap_remove(at);
         // An endpoint that left the pool meanwhile: its answer no longer matters.
         let endpoint = self.ledger.index_of(endpoint_id)?;
         let observation = scrape::observe(
