@@ -603,6 +603,129 @@ fn is_header_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// One step of a path into a configuration value.
+enum Step<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+fn child<'v>(node: &'v serde_json::Value, step: &Step) -> &'v serde_json::Value {
+    match step {
+        Step::Key(k) => &node[*k],
+        Step::Index(i) => &node[*i],
+    }
+}
+
+/// `value` cut down to the branch `path` takes (every object along it keeps only that key,
+/// every list only that element), with the node at its end replaced by `end(node)`.
+fn pruned(
+    value: &serde_json::Value,
+    path: &[Step],
+    end: &dyn Fn(&serde_json::Value) -> serde_json::Value,
+) -> serde_json::Value {
+    use serde_json::Value;
+    match path.split_first() {
+        None => end(value),
+        Some((step, rest)) => {
+            let inner = pruned(child(value, step), rest, end);
+            match step {
+                Step::Key(k) => {
+                    let mut map = serde_json::Map::new();
+                    map.insert(k.to_string(), inner);
+                    Value::Object(map)
+                }
+                Step::Index(_) => Value::Array(vec![inner]),
+            }
+        }
+    }
+}
+
+/// The node at `at` on its own (`only`) or without it.
+fn keep(node: &serde_json::Value, at: &Step, only: bool) -> serde_json::Value {
+    use serde_json::Value;
+    match (node, at) {
+        (Value::Object(map), Step::Key(k)) => {
+            // Inserted one by one: `collect` would link the B-tree's bulk build (a sort).
+            let mut kept = serde_json::Map::new();
+            for (key, v) in map.iter().filter(|(key, _)| (key.as_str() == *k) == only) {
+                kept.insert(key.clone(), v.clone());
+            }
+            Value::Object(kept)
+        }
+        (Value::Array(list), Step::Index(i)) => Value::Array(
+            list.iter()
+                .enumerate()
+                .filter(|(j, _)| (j == i) == only)
+                .map(|(_, v)| v.clone())
+                .collect(),
+        ),
+        _ => node.clone(),
+    }
+}
+
+/// Where in `value` the error `message` of deserializing a [`PluginConfig`] from it lies, as
+/// `endpoints[0].address` (empty: at the top). The path descends, one step at a time, into the
+/// child that on its own (the configuration cut down to it) fails with exactly this message
+/// and without which it no longer does; it stops where no child is both, also where the same
+/// error is in two places (then it names the object holding both). A missing field or a wrong
+/// length is an object's or a list's error, so it never descends into a scalar for one; nor into the key of an unknown
+/// variant (`{"variant": …}` is how an enum is spelled, the error is the enum's).
+///
+/// Why not `serde_path_to_error`, which tracks the path as serde walks: its wrapper is
+/// instantiated for every type of the configuration, 15 KB of the plugin's `.wasm` for a path
+/// only an error needs. This costs a few deserializations of small cut-down values, once, on
+/// a broken configuration; a test checks it against `serde_path_to_error` on every field.
+fn error_path(value: &serde_json::Value, message: &str) -> String {
+    use serde_json::Value;
+    let fails = |v: Value| {
+        serde_json::from_value::<PluginConfig>(v).is_err_and(|e| e.to_string() == message)
+    };
+    // Errors of an object or list as a whole: never at a scalar inside it.
+    let whole = message.starts_with("missing field") || message.starts_with("invalid length");
+    let mut path: Vec<Step> = Vec::new();
+    let mut node = value;
+    'descend: loop {
+        let steps: Vec<Step> = match node {
+            Value::Object(map) => map.keys().map(|k| Step::Key(k)).collect(),
+            Value::Array(list) => (0..list.len()).map(Step::Index).collect(),
+            _ => break,
+        };
+        for step in steps {
+            let next = child(node, &step);
+            if whole && !(next.is_object() || next.is_array()) {
+                continue;
+            }
+            if matches!(step, Step::Key(k) if message.starts_with(&format!("unknown variant `{k}`")))
+            {
+                continue; // `{"variant": …}` is the enum's value: the error is the object's
+            }
+            if !fails(pruned(value, &path, &|n| keep(n, &step, true))) {
+                continue;
+            }
+            if fails(pruned(value, &path, &|n| keep(n, &step, false))) {
+                break 'descend; // the same error elsewhere too
+            }
+            path.push(step);
+            node = next;
+            continue 'descend;
+        }
+        break;
+    }
+    let mut text = String::new();
+    for step in &path {
+        match step {
+            Step::Key(k) => {
+                if !text.is_empty() {
+                    text.push('.');
+                }
+                text.push_str(k);
+            }
+            Step::Index(i) => text.push_str(&format!("[{i}]")),
+        }
+    }
+    text
+}
+
 impl PluginConfig {
     /// Parses and validates; an empty configuration is an error (there are no endpoints).
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
@@ -615,15 +738,18 @@ impl PluginConfig {
     /// (`block_size: invalid type: …`), since the operator's text may have been re-encoded
     /// (a protobuf Struct) and a line/column would point at nothing they wrote.
     pub fn from_value(value: serde_json::Value) -> Result<Self, ConfigError> {
-        let config: PluginConfig = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner().to_string();
-            ConfigError::Json(if path == "." || path.is_empty() {
-                inner
-            } else {
-                format!("{path}: {inner}")
-            })
-        })?;
+        let config = match serde_json::from_value::<PluginConfig>(value.clone()) {
+            Ok(config) => config,
+            Err(e) => {
+                let message = e.to_string();
+                let path = error_path(&value, &message);
+                return Err(ConfigError::Json(if path.is_empty() {
+                    message
+                } else {
+                    format!("{path}: {message}")
+                }));
+            }
+        };
         config.validate()?;
         Ok(config)
     }
@@ -908,5 +1034,111 @@ mod tests {
             let err = plugin(json).unwrap_err().to_string();
             assert!(err.contains(needle), "{json}: {err}");
         }
+    }
+
+    /// Every node of `value` with its path in `serde_path_to_error`'s spelling.
+    fn nodes(value: &serde_json::Value, path: String, out: &mut Vec<String>) {
+        use serde_json::Value;
+        out.push(path.clone());
+        match value {
+            Value::Object(map) => {
+                for (k, v) in map {
+                    let sub = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    nodes(v, sub, out);
+                }
+            }
+            Value::Array(list) => {
+                for (i, v) in list.iter().enumerate() {
+                    nodes(v, format!("{path}[{i}]"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The node at a path spelled as [`nodes`] spells it.
+    fn at<'v>(value: &'v mut serde_json::Value, path: &str) -> &'v mut serde_json::Value {
+        let mut node = value;
+        for part in path.split('.').filter(|p| !p.is_empty()) {
+            let (key, indices) = part.split_once('[').map_or((part, ""), |(k, r)| (k, r));
+            if !key.is_empty() {
+                node = &mut node[key];
+            }
+            for index in indices.split('[').filter(|i| !i.is_empty()) {
+                node = &mut node[index.trim_end_matches(']').parse::<usize>().unwrap()];
+            }
+        }
+        node
+    }
+
+    #[test]
+    fn error_paths_name_the_same_field_as_serde_path_to_error_for_every_broken_field() {
+        // A configuration with every section present, then one break at a time: each node
+        // replaced by a value of each JSON type, an unknown key added to each object, each key
+        // of each object removed. Wherever the result does not deserialize, the path must be
+        // the one serde_path_to_error tracks while deserializing.
+        let mut full = serde_json::to_value(PluginConfig {
+            endpoints: vec![
+                EndpointConfig {
+                    name: "a".into(),
+                    address: "10.0.0.1:80".into(),
+                },
+                EndpointConfig {
+                    name: "b".into(),
+                    address: "10.0.0.2:80".into(),
+                },
+            ],
+            discovery: Some(DiscoveryConfig::default()),
+            model: Some("m".into()),
+            ..PluginConfig::default()
+        })
+        .unwrap();
+        full["policy"] = serde_json::json!("prefix");
+        let mut all = Vec::new();
+        nodes(&full, String::new(), &mut all);
+        let replacements = [
+            serde_json::json!("x"),
+            serde_json::json!(1.5),
+            serde_json::json!(-1),
+            serde_json::json!(true),
+            serde_json::json!(null),
+            serde_json::json!([1]),
+            serde_json::json!({"k": 1}),
+        ];
+        let mut broken = Vec::new();
+        for path in &all {
+            for r in &replacements {
+                let mut v = full.clone();
+                *at(&mut v, path) = r.clone();
+                broken.push(v);
+            }
+            let mut v = full.clone();
+            if let Some(map) = at(&mut v, path).as_object_mut() {
+                let keys: Vec<String> = map.keys().cloned().collect();
+                map.insert("bogus".into(), serde_json::json!(1));
+                broken.push(v);
+                for key in keys {
+                    let mut v = full.clone();
+                    at(&mut v, path).as_object_mut().unwrap().remove(&key);
+                    broken.push(v);
+                }
+            }
+        }
+        let mut checked = 0;
+        for v in broken {
+            let Err(oracle) = serde_path_to_error::deserialize::<_, PluginConfig>(v.clone()) else {
+                continue;
+            };
+            let want = oracle.path().to_string();
+            let want = if want == "." { String::new() } else { want };
+            let message = oracle.into_inner().to_string();
+            assert_eq!(error_path(&v, &message), want, "{message} in {v}");
+            checked += 1;
+        }
+        assert!(checked > 100, "only {checked} broken configurations");
     }
 }
