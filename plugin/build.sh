@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Builds the .wasm Envoy loads, <target>/wasm32-wasip1/wasm/prefixroute_plugin.wasm: cargo's
-# `wasm` profile, then binaryen's `wasm-opt -O3` over the linked module, in place.
+# `wasm` profile, then binaryen's `wasm-opt -Oz --converge` over the linked module, in place.
 #
 # Why a post-link pass: LLVM optimises each function, wasm-opt the module as V8 will compile
 # it (locals, branches, duplicate functions). Measured at git 8e5ff11 (docs/benchmarks.md):
 # 489,018 -> 435,462 bytes (11% less for every Envoy worker to load and compile) and 0.4-3%
 # fewer wasm instructions per request (host-tests table); Envoy's CPU per request did not move
-# beyond bench/cpu_ab.py's noise.
+# beyond bench/cpu_ab.py's noise. `-Oz --converge` rather than `-O3` since git af392d2: 6.9 KB
+# less (406,202 -> 398,619 bytes at that commit, under issue 12's 400 KB) for +0.0% to +1.4%
+# instructions per request (the size passes inline less; the loops are LLVM's either way).
 #
 # Usage: plugin/build.sh [cargo build options, e.g. --quiet]. Honours CARGO_TARGET_DIR;
 # WASM_OPT names the wasm-opt binary (default: `wasm-opt` on PATH; Debian/Ubuntu:
@@ -23,19 +25,20 @@ cargo build --manifest-path "$root/Cargo.toml" -p prefixroute-plugin \
 dir="${CARGO_TARGET_DIR:-$root/target}/wasm32-wasip1/wasm"
 wasm="$dir/prefixroute_plugin.wasm"
 # wasm-opt's output is kept beside the module with the sha256 of the cargo output it came
-# from: cargo relinks its own module on every build, even when nothing changed, and then the
-# optimised one is copied back instead of optimised again.
+# from and the passes that made it: cargo relinks its own module on every build, even when
+# nothing changed, and then the optimised one is copied back instead of optimised again.
 cache="$dir/prefixroute_plugin.wasm-opt"
+passes=(-Oz --converge)
 digest() {
   if command -v sha256sum >/dev/null; then sha256sum "$1"; else shasum -a 256 "$1"; fi | cut -d' ' -f1
 }
-linked=$(digest "$wasm")
+linked="$(digest "$wasm") ${passes[*]}"
 if [ -f "$cache" ] && [ -f "$cache.from" ]; then
   if [ "$(cat "$cache.from")" = "$linked" ]; then
     cp "$cache" "$wasm.tmp" && mv "$wasm.tmp" "$wasm"
     exit 0
   fi
-  if [ "$(digest "$cache")" = "$linked" ]; then
+  if [ "$(digest "$cache") ${passes[*]}" = "$linked" ]; then
     exit 0 # already the optimised module
   fi
 fi
@@ -49,7 +52,7 @@ fi
 # Exactly the features rustc's wasm32-wasip1 target enables (`rustc --print cfg --target
 # wasm32-wasip1`), so wasm-opt validates the module and introduces nothing Envoy's V8 or
 # wasmtime would not run.
-"$wasm_opt" -O3 \
+"$wasm_opt" "${passes[@]}" \
   --enable-bulk-memory --enable-sign-ext --enable-mutable-globals \
   --enable-nontrapping-float-to-int --enable-multivalue --enable-reference-types \
   "$wasm" -o "$cache.tmp"
