@@ -14,12 +14,14 @@
 //!   with one write.
 //! * Not every block of a chain is written: core's [`record_positions`] picks the first 16,
 //!   one in 16 after, the last block before each message boundary, the 16 after the believed
-//!   match and the last, each reserving its weight of stamps (the blocks it stands for), so a
-//!   cold 16k-token prompt costs ~85 bucket writes, not ~1,000; lookups are core's
+//!   match and the last, at most [`RECORD_BUDGET`] beyond the match, each reserving its
+//!   weight of stamps (the blocks it stands for), so a cold 16k-token prompt costs 37 writes,
+//!   not ~1,000 (and is believed whole once sent four times); lookups are core's
 //!   [`believed_match`] over the same positions (a binary search over the checkpoints).
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
-//!   prefixes (the shared system prompt) cost reads only. A re-stamp leaves a dead position
-//!   behind (the block's old stamp), so the window is `capacity` plus the dead positions
+//!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
+//!   recorded positions, each standing for the blocks since the one before, and leaves a dead
+//!   position behind (the block's old stamp), so the window is `capacity` plus the dead positions
 //!   inside it, counted per epoch of the clock in the endpoint record (`window`). It then
 //!   holds about `capacity` distinct blocks, as the server's LRU does: a block not referenced
 //!   while `capacity` others were ages out, hot or not.
@@ -36,6 +38,8 @@
 //! (reads only; dropped as soon as this worker writes any endpoint record): a `get` costs Envoy
 //! microseconds and the router reads every endpoint's record per request, so this is what keeps
 //! a request's cost from growing with the pool (68 gets at 64 endpoints before, 5 after).
+//!
+//! [`RECORD_BUDGET`]: prefixroute_core::index::RECORD_BUDGET
 
 use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -870,22 +874,36 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // refreshes only the blocks it holds): its blocks are counted already.
         let needs_refresh = |hash: u64| age(hash).is_some_and(|a| a >= refresh_after);
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
-        // then reading every block of it again would only confirm that. When one is old
-        // enough to refresh, the whole prefix is checked (a full read, once per `capacity/4`
-        // records of a hot prefix). The unmatched tail always needs stamps.
-        let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
-        // The matched prefix, when refreshed, is refreshed whole, one position per block it
-        // holds, as core refreshes every block it holds there. Of the rest, only the recorded
-        // positions (core's `record_positions`) are written, each standing for its weight of
+        // then reading the prefix again would only confirm that. When one is old enough to
+        // refresh (once per `capacity/4` records of a hot prefix), the prefix's recorded
+        // positions are (those this request would record over it, and what the search found),
+        // one stamp each. Not every block: a 16k-token prefix is 1,024 blocks, one bucket
+        // read each, where its ~80 positions are all a later search looks at. A position
+        // another request recorded inside the prefix (its end, its window) is left to age
+        // out; a request ending there is then believed to the checkpoint before, as anywhere
+        // the belief is approximate (see `record_positions`). The unmatched tail always needs
+        // stamps: only its recorded positions are written, each standing for its weight of
         // clock positions, so the window still counts blocks as core's LRU does.
+        let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
         let mut stale: Vec<(usize, u64)> = Vec::new();
         if refresh_prefix {
-            stale.extend(
-                (0..matched)
-                    .filter(|&i| needs_refresh(chain[i]))
-                    .map(|i| (i, 1)),
-            );
+            let mut recorded: Vec<usize> = record_positions(matched, marks, 0)
+                .into_iter()
+                .map(|(i, _)| i)
+                .chain(probes.iter().copied().filter(|&i| i < matched))
+                .collect();
+            recorded.sort_unstable();
+            recorded.dedup();
+            // Each stands for the blocks since the one before, so a refresh ages the other
+            // blocks of the endpoint as core's LRU touching every block of the prefix does.
+            let mut next = 0;
+            stale.extend(recorded.into_iter().filter_map(|i| {
+                let span = (i + 1 - next) as u64;
+                next = i + 1;
+                needs_refresh(chain[i]).then_some((i, span))
+            }));
         }
+        let refreshed = stale.len();
         stale.extend(
             record_positions(chain.len(), marks, matched)
                 .into_iter()
@@ -896,7 +914,8 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         }
         let n: u64 = stale.iter().map(|&(_, weight)| weight).sum();
-        let new = chain.len().saturating_sub(matched) as u64;
+        // The blocks newly believed: up to the last recorded position (the record budget).
+        let new: u64 = stale[refreshed..].iter().map(|&(_, weight)| weight).sum();
         // The stamps these replace: positions that die inside the window and widen it.
         let dead: Vec<(u64, u64)> = stale
             .iter()
@@ -1011,7 +1030,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 mod tests {
     use super::*;
     use crate::shared::{bucket_key, MemShared};
-    use prefixroute_core::index::{DENSE_BLOCKS, STRIDE_BLOCKS};
+    use prefixroute_core::index::RECORD_BUDGET;
     use prefixroute_core::PrefixIndex;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
@@ -1240,26 +1259,35 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_prompt_costs_writes_per_checkpoint_not_per_block() {
+    fn a_cold_prompt_costs_at_most_the_record_budget_in_writes_however_long() {
         let host = MemShared::new();
         let mut s = SharedIndex::new(host.clone(), &addrs(3), 31_250);
         // A cold 16k-token prompt: 1,024 blocks of spread-out hashes.
         let chain: Vec<u64> = (1..=1024u64)
             .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
             .collect();
+        // Sent four times: each record writes at most the budget (+ the endpoint's clock) and
+        // the belief grows by that many positions, 16 dense blocks after the match and 16
+        // checkpoints, until it holds the prompt whole.
+        let mut believed = Vec::new();
+        for _ in 0..4 {
+            s.begin_request();
+            let (_, before) = host.calls();
+            s.record(0, &chain);
+            s.mark_end(0, chain[1023]);
+            s.end_request();
+            let (_, after) = host.calls();
+            assert!(
+                after - before <= (RECORD_BUDGET + 1) as u64,
+                "{} sets > the budget",
+                after - before
+            );
+            s.begin_request();
+            believed.push(s.longest_match(0, &chain));
+            s.end_request();
+        }
+        assert_eq!(believed, [272, 544, 816, 1024]);
         s.begin_request();
-        let (_, before) = host.calls();
-        s.record(0, &chain);
-        s.mark_end(0, chain[1023]);
-        s.end_request();
-        let (_, after) = host.calls();
-        // 16 dense blocks + 63 checkpoints (31, 47, …, 1023) + the endpoint's clock.
-        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 1) as u64;
-        assert!(after - before <= bound, "{} sets > {bound}", after - before);
-        assert!(after - before < 1024 / 10);
-        // The belief still matches it whole, and counts every block against the capacity.
-        s.begin_request();
-        assert_eq!(s.longest_match(0, &chain), 1024);
         assert!(s.continues(0, &chain, 1024));
         assert_eq!(s.room(0).believed_blocks, 1024);
         // A prompt sharing 500 blocks of it is believed to share the last checkpoint before.
@@ -1418,6 +1446,48 @@ mod tests {
             sets_before,
             "no writes for a fresh hot prefix"
         );
+    }
+
+    #[test]
+    fn refreshing_a_long_hot_prefix_reads_and_writes_its_recorded_positions_not_every_block() {
+        // Two 16k-token prompts, each a quarter of the endpoint's capacity, alternating: each
+        // request finds its prefix a quarter of the capacity old and refreshes it.
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(1), 4096);
+        let chain = |seed: u64| -> Vec<u64> {
+            (1..=1024u64)
+                .map(|k| (k + seed * 10_000).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+                .collect()
+        };
+        let (a, b) = (chain(1), chain(2));
+        // Four records each believe them whole (see the record budget).
+        for c in [&a, &b, &a, &b, &a, &b, &a, &b] {
+            s.begin_request();
+            s.record(0, c);
+            s.end_request();
+        }
+        let positions = record_positions(1024, &[], 0).len() as u64;
+        for round in 0..6 {
+            let c = if round % 2 == 0 { &a } else { &b };
+            let (gets_before, sets_before) = host.calls();
+            s.begin_request();
+            assert_eq!(s.longest_match(0, c), 1024, "round {round}");
+            s.record(0, c);
+            s.end_request();
+            let (gets, sets) = host.calls();
+            // The positions a record writes, each one bucket read and one written, plus the
+            // endpoint record and the clock.
+            assert!(
+                gets - gets_before <= positions + 4,
+                "round {round}: {} gets",
+                gets - gets_before
+            );
+            assert!(
+                sets - sets_before <= positions + 2,
+                "round {round}: {} sets",
+                sets - sets_before
+            );
+        }
     }
 
     #[test]
