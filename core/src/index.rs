@@ -16,15 +16,9 @@ pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
 /// A chain's first blocks are all recorded: short shared heads (a system prompt of a few
 /// hundred tokens) are believed exactly.
 pub const DENSE_BLOCKS: usize = 16;
-/// Beyond [`DENSE_BLOCKS`], one block in this many is recorded (plus the chain's last): a
-/// record costs the plugin one shared-data write per 16 blocks, not one per block (and at most
-/// [`RECORD_BUDGET`]).
+/// Beyond [`DENSE_BLOCKS`], one block in this many is recorded (plus the chain's last): a cold
+/// 16k-token prompt costs the plugin ~80 shared-data writes instead of ~1,000.
 pub const STRIDE_BLOCKS: usize = 16;
-
-/// The most new positions (those from the believed match on) one record writes: what bounds a
-/// cold prompt's cost in the plugin by a constant, about this many shared-data writes however
-/// long the prompt (a 16k-token one wrote ~80 before this bound).
-pub const RECORD_BUDGET: usize = 32;
 
 /// The positions of a chain of `n` blocks the belief records, in order, each with the number
 /// of new blocks it stands for (itself and the unrecorded ones before it, counted from `from`):
@@ -49,13 +43,6 @@ pub const RECORD_BUDGET: usize = 32;
 /// its messages began (a system prompt, a document in its own message), and only once for a
 /// prefix that ends inside a message (a document and its question in one): the request that
 /// fell short records the blocks after its match densely, so the next one finds the end.
-///
-/// At most [`RECORD_BUDGET`] new positions are recorded, the first ones in chain order: a
-/// longer chain is believed (and counted against the capacity) only up to the last of them,
-/// 272 blocks (4,352 tokens of 16) for a cold prompt without marks. Each request that shares
-/// the believed part records up to that many more, so a prompt sent again is believed whole
-/// after a few requests (a cold 16k-token prompt after four); until then its believed match
-/// on the endpoint that holds it falls short, the same on every endpoint that holds it.
 pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {
     let mut positions: Vec<usize> = (0..checkpoints(n))
         .map(checkpoint)
@@ -73,17 +60,15 @@ pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, u
     // Blocks before `from` are believed already, counted by whatever recorded them: weight 0.
     // The new ones are counted once, each by the next recorded position.
     let mut next = from.min(n);
-    let mut budget = RECORD_BUDGET;
     positions
         .into_iter()
-        .map_while(|p| {
+        .map(|p| {
             if p < next {
-                return Some((p, 0));
+                return (p, 0);
             }
-            budget = budget.checked_sub(1)?;
             let weight = p + 1 - next;
             next = p + 1;
-            Some((p, weight))
+            (p, weight)
         })
         .collect()
 }
@@ -462,35 +447,18 @@ mod tests {
 
     #[test]
     fn recorded_positions_cover_the_chain_and_are_bounded() {
-        for n in 0..1200 {
-            for from in [0, 7, 40, 130, 700] {
+        for n in 0..300 {
+            for from in [0, 7, 40, 130] {
                 let positions = record_positions(n, &[], from);
-                let new = positions.iter().filter(|&&(p, _)| p >= from).count();
-                assert!(
-                    new <= RECORD_BUDGET,
-                    "n={n} from={from}: {new} new positions"
-                );
-                // The weights count every block from `from` to the last recorded position,
-                // which is the chain's end unless the budget ran out first.
-                let covered = positions.last().map_or(0, |&(p, _)| p + 1).max(from.min(n));
-                assert_eq!(
-                    positions.iter().map(|&(_, w)| w).sum::<usize>(),
-                    covered - from.min(n)
-                );
-                assert!(covered == n || new == RECORD_BUDGET, "n={n} from={from}");
+                let new = n - from.min(n);
+                assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), new);
                 assert!(positions.iter().all(|&(p, w)| (p < from) == (w == 0)));
             }
             let positions = record_positions(n, &[], 0);
+            assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), n, "n={n}");
             assert!(positions.windows(2).all(|w| w[0].0 < w[1].0), "n={n}");
+            assert_eq!(positions.last().map(|&(p, _)| p), n.checked_sub(1), "n={n}");
             assert!(positions.len() <= DENSE_BLOCKS.min(n) + n / STRIDE_BLOCKS + 1);
-            if n <= 272 {
-                assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), n, "n={n}");
-                assert_eq!(positions.last().map(|&(p, _)| p), n.checked_sub(1), "n={n}");
-            } else {
-                // 16 dense blocks and 16 checkpoints: believed up to block 271.
-                assert_eq!(positions.len(), RECORD_BUDGET, "n={n}");
-                assert_eq!(positions.last(), Some(&(271, 16)), "n={n}");
-            }
             // Each weight is the distance from the previous recorded position.
             let mut prev = None;
             for &(p, w) in &positions {
@@ -498,16 +466,8 @@ mod tests {
                 prev = Some(p);
             }
         }
-        assert_eq!(record_positions(200, &[], 0).len(), 16 + 11 + 1);
-        assert_eq!(record_positions(1030, &[], 0).len(), RECORD_BUDGET);
-        // A request that shares the believed 272 blocks records the next ones: the 16 from
-        // there densely, then checkpoints, 32 new positions again.
-        let next = record_positions(1030, &[], 272);
-        assert_eq!(
-            next.iter().filter(|&&(p, _)| p >= 272).count(),
-            RECORD_BUDGET
-        );
-        assert_eq!(next.last(), Some(&(543, 16)));
+        assert_eq!(record_positions(1024, &[], 0).len(), 16 + 63);
+        assert_eq!(record_positions(1030, &[], 0).len(), 16 + 63 + 1);
         // A mark adds the last block before its boundary and splits the weights around it.
         assert_eq!(
             record_positions(40, &[21, 40, 99, 0], 0)[16..],
@@ -551,12 +511,9 @@ mod tests {
             proptest::prop_assert_eq!(walked, found, "prefix-closed: both searches agree");
             let expected = (0..shared).rev().find(|&p| recorded.contains(&p)).map_or(0, |p| p + 1);
             proptest::prop_assert_eq!(found, expected);
-            // Up to where one record's budget reached (all of a chain of up to 272 blocks).
-            let covered = recorded.last().map_or(0, |&p| p + 1);
-            let reach = shared.min(covered);
-            proptest::prop_assert!(found <= reach && reach - found < STRIDE_BLOCKS);
-            if reach <= DENSE_BLOCKS || reach == len || (reach == mark && mark <= covered) {
-                proptest::prop_assert_eq!(found, reach);
+            proptest::prop_assert!(found <= shared && shared - found < STRIDE_BLOCKS);
+            if shared <= DENSE_BLOCKS || shared == len || shared == mark {
+                proptest::prop_assert_eq!(found, shared);
             }
             proptest::prop_assert!(probed.iter().all(|&p| holds(p)));
             proptest::prop_assert!(probes <= 2 + 10 + STRIDE_BLOCKS, "{} probes", probes);

@@ -14,9 +14,8 @@
 //!   with one write.
 //! * Not every block of a chain is written: core's [`record_positions`] picks the first 16,
 //!   one in 16 after, the last block before each message boundary, the 16 after the believed
-//!   match and the last, at most [`RECORD_BUDGET`] beyond the match, each reserving its
-//!   weight of stamps (the blocks it stands for), so a cold 16k-token prompt costs 37 writes,
-//!   not ~1,000 (and is believed whole once sent four times); lookups are core's
+//!   match and the last, each reserving its weight of stamps (the blocks it stands for), so a
+//!   cold 16k-token prompt costs ~85 bucket writes, not ~1,000; lookups are core's
 //!   [`believed_match`] over the same positions (a binary search over the checkpoints).
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
@@ -38,8 +37,6 @@
 //! (reads only; dropped as soon as this worker writes any endpoint record): a `get` costs Envoy
 //! microseconds and the router reads every endpoint's record per request, so this is what keeps
 //! a request's cost from growing with the pool (68 gets at 64 endpoints before, 5 after).
-//!
-//! [`RECORD_BUDGET`]: prefixroute_core::index::RECORD_BUDGET
 
 use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -903,7 +900,6 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                 needs_refresh(chain[i]).then_some((i, span))
             }));
         }
-        let refreshed = stale.len();
         stale.extend(
             record_positions(chain.len(), marks, matched)
                 .into_iter()
@@ -914,8 +910,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             return;
         }
         let n: u64 = stale.iter().map(|&(_, weight)| weight).sum();
-        // The blocks newly believed: up to the last recorded position (the record budget).
-        let new: u64 = stale[refreshed..].iter().map(|&(_, weight)| weight).sum();
+        let new = chain.len().saturating_sub(matched) as u64;
         // The stamps these replace: positions that die inside the window and widen it.
         let dead: Vec<(u64, u64)> = stale
             .iter()
@@ -1030,7 +1025,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 mod tests {
     use super::*;
     use crate::shared::{bucket_key, MemShared};
-    use prefixroute_core::index::RECORD_BUDGET;
+    use prefixroute_core::index::{DENSE_BLOCKS, STRIDE_BLOCKS};
     use prefixroute_core::PrefixIndex;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
@@ -1259,35 +1254,26 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_prompt_costs_at_most_the_record_budget_in_writes_however_long() {
+    fn a_cold_prompt_costs_writes_per_checkpoint_not_per_block() {
         let host = MemShared::new();
         let mut s = SharedIndex::new(host.clone(), &addrs(3), 31_250);
         // A cold 16k-token prompt: 1,024 blocks of spread-out hashes.
         let chain: Vec<u64> = (1..=1024u64)
             .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
             .collect();
-        // Sent four times: each record writes at most the budget (+ the endpoint's clock) and
-        // the belief grows by that many positions, 16 dense blocks after the match and 16
-        // checkpoints, until it holds the prompt whole.
-        let mut believed = Vec::new();
-        for _ in 0..4 {
-            s.begin_request();
-            let (_, before) = host.calls();
-            s.record(0, &chain);
-            s.mark_end(0, chain[1023]);
-            s.end_request();
-            let (_, after) = host.calls();
-            assert!(
-                after - before <= (RECORD_BUDGET + 1) as u64,
-                "{} sets > the budget",
-                after - before
-            );
-            s.begin_request();
-            believed.push(s.longest_match(0, &chain));
-            s.end_request();
-        }
-        assert_eq!(believed, [272, 544, 816, 1024]);
         s.begin_request();
+        let (_, before) = host.calls();
+        s.record(0, &chain);
+        s.mark_end(0, chain[1023]);
+        s.end_request();
+        let (_, after) = host.calls();
+        // 16 dense blocks + 63 checkpoints (31, 47, …, 1023) + the endpoint's clock.
+        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 1) as u64;
+        assert!(after - before <= bound, "{} sets > {bound}", after - before);
+        assert!(after - before < 1024 / 10);
+        // The belief still matches it whole, and counts every block against the capacity.
+        s.begin_request();
+        assert_eq!(s.longest_match(0, &chain), 1024);
         assert!(s.continues(0, &chain, 1024));
         assert_eq!(s.room(0).believed_blocks, 1024);
         // A prompt sharing 500 blocks of it is believed to share the last checkpoint before.
@@ -1460,8 +1446,7 @@ mod tests {
                 .collect()
         };
         let (a, b) = (chain(1), chain(2));
-        // Four records each believe them whole (see the record budget).
-        for c in [&a, &b, &a, &b, &a, &b, &a, &b] {
+        for c in [&a, &b] {
             s.begin_request();
             s.record(0, c);
             s.end_request();
