@@ -20,8 +20,8 @@
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
 //!   recorded positions, each standing for the blocks since the one before, and leaves a dead
-//!   position behind (the block's old stamp), so the window is `capacity` plus the dead positions
-//!   inside it, counted per epoch of the clock in the endpoint record (`window`). It then
+//!   position behind (the block's old stamp), so the window is `capacity` plus the dead
+//!   positions inside it, counted per epoch of the clock in the endpoint record (`window`). It then
 //!   holds about `capacity` distinct blocks, as the server's LRU does: a block not referenced
 //!   while `capacity` others were ages out, hot or not.
 //!
@@ -873,8 +873,10 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
         // then reading the prefix again would only confirm that. When one is old enough to
         // refresh (once per `capacity/4` records of a hot prefix), the prefix's recorded
-        // positions are (those this request would record over it, and what the search found),
-        // one stamp each. Not every block: a 16k-token prefix is 1,024 blocks, one bucket
+        // positions are re-stamped (those this request would record over it, and what the
+        // search found), each taking the clock positions of the blocks since the one before,
+        // so a refresh ages the endpoint's other blocks as core's LRU touching every block of
+        // the prefix does. Not every block: a 16k-token prefix is 1,024 blocks, one bucket
         // read each, where its ~80 positions are all a later search looks at. A position
         // another request recorded inside the prefix (its end, its window) is left to age
         // out; a request ending there is then believed to the checkpoint before, as anywhere
@@ -891,8 +893,6 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                 .collect();
             recorded.sort_unstable();
             recorded.dedup();
-            // Each stands for the blocks since the one before, so a refresh ages the other
-            // blocks of the endpoint as core's LRU touching every block of the prefix does.
             let mut next = 0;
             stale.extend(recorded.into_iter().filter_map(|i| {
                 let span = (i + 1 - next) as u64;
@@ -1460,6 +1460,10 @@ mod tests {
             s.record(0, c);
             s.end_request();
             let (gets, sets) = host.calls();
+            assert!(
+                sets - sets_before > positions / 2,
+                "round {round}: the prefix was refreshed"
+            );
             // The positions a record writes, each one bucket read and one written, plus the
             // endpoint record and the clock.
             assert!(
