@@ -13,7 +13,7 @@ use crate::abi;
 use crate::host::{self, HostShared, Metrics};
 use crate::http::Filter;
 use crate::scheduler::{DiscoveryOutcome, Scheduler};
-use crate::settings::load_config;
+use crate::settings::{load_config, next_tick_ms, FIRST_TICK_MS};
 
 pub type SharedScheduler = Rc<RefCell<Scheduler<HostShared>>>;
 
@@ -64,6 +64,8 @@ pub struct PluginRoot {
     discovery_warned: bool,
     /// The KV feed cannot be fetched and that was logged.
     feed_warned: bool,
+    /// The tick period last asked of the host (0: none yet).
+    tick_period_ms: u64,
 }
 
 impl PluginRoot {
@@ -74,6 +76,18 @@ impl PluginRoot {
             dispatch_warned: false,
             discovery_warned: false,
             feed_warned: false,
+            tick_period_ms: 0,
+        }
+    }
+
+    /// Asks the host for `period` unless that is the period already asked for.
+    fn set_tick_period(&mut self, period: u64) {
+        if period == self.tick_period_ms {
+            return;
+        }
+        self.tick_period_ms = period;
+        if abi::set_tick_period_ms(u32::try_from(period).unwrap_or(u32::MAX)).is_err() {
+            host::warn("prefixroute: the host refused a tick period; metrics will not be scraped");
         }
     }
 
@@ -283,6 +297,9 @@ impl Context for PluginRoot {
         if e.is_discovery(token_id) {
             let outcome = e.discovery_done(status, &body);
             self.discovered(&e, outcome);
+            if !e.awaiting_pool() {
+                self.set_tick_period(e.tick_ms());
+            }
             flush(&mut e, &self.metrics);
             return;
         }
@@ -328,9 +345,13 @@ impl RootContext for PluginRoot {
         };
         let scheduler = Scheduler::new(HostShared, config);
         let tick = scheduler.tick_ms();
-        if abi::set_tick_period_ms(u32::try_from(tick).unwrap_or(u32::MAX)).is_err() {
-            host::warn("prefixroute: the host refused a tick period; metrics will not be scraped");
-        }
+        // A discovered pool is unknown until the first discovery answer: tick fast until
+        // then, so the first seconds after a start are routed too.
+        self.set_tick_period(if scheduler.awaiting_pool() {
+            FIRST_TICK_MS.min(tick)
+        } else {
+            tick
+        });
         let c = scheduler.config();
         let pool = match &c.discovery {
             Some(d) => format!(
@@ -360,6 +381,12 @@ impl RootContext for PluginRoot {
             self.scrape(&scheduler, now);
             self.discover(&scheduler, now);
             self.fetch_feed(&scheduler, now);
+            let next = scheduler
+                .try_borrow()
+                .map(|e| next_tick_ms(self.tick_period_ms, e.tick_ms(), e.awaiting_pool()));
+            if let Ok(next) = next {
+                self.set_tick_period(next);
+            }
         }
     }
 

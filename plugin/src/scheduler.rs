@@ -77,6 +77,11 @@ struct Pool {
     members: Vec<Member>,
     /// The discovery callout this instance sent and awaits, with when it was sent.
     awaiting: Option<(u32, u64)>,
+    /// When a request last looked for the shared membership (see [`Scheduler::route`]).
+    looked_ms: Option<u64>,
+    /// This instance's own discovery was answered with a usable page (possibly an empty pool,
+    /// which is a membership too).
+    answered: bool,
 }
 
 /// What a discovery answer changed, for the root context to log.
@@ -152,6 +157,8 @@ impl<H: SharedData> Scheduler<H> {
                 version: 0,
                 members,
                 awaiting: None,
+                looked_ms: None,
+                answered: false,
             },
             feed_awaiting: None,
             config,
@@ -168,6 +175,13 @@ impl<H: SharedData> Scheduler<H> {
 
     pub fn endpoints(&self) -> usize {
         self.pool.members.len()
+    }
+
+    /// A discovered pool whose first membership this instance has not seen yet (neither its
+    /// own discovery answer nor another instance's in shared data): the root ticks fast until
+    /// then (`settings::next_tick_ms`).
+    pub fn awaiting_pool(&self) -> bool {
+        self.config.discovery.is_some() && self.pool.version == 0 && !self.pool.answered
     }
 
     /// The pool routed over now: the configured endpoints, or the discovered members.
@@ -220,6 +234,13 @@ impl<H: SharedData> Scheduler<H> {
 
     /// Routes a complete request body; anything the core cannot parse goes to the fallback.
     pub fn route(&mut self, body: &[u8], now_ms: u64) -> Choice {
+        if self.endpoints() == 0 && self.awaiting_pool() && self.pool.looked_ms != Some(now_ms) {
+            // Right after Envoy starts, the worker whose tick won the discovery lease learns
+            // the pool first; the others would route without it until their next tick. One
+            // `get` (at most one per millisecond) while no membership was ever seen here.
+            self.pool.looked_ms = Some(now_ms);
+            self.follow_pool();
+        }
         if self.endpoints() == 0 {
             return self.fallback(FallbackReason::NoEndpoints, now_ms);
         }
@@ -832,6 +853,7 @@ impl<H: SharedData> Scheduler<H> {
             }
         };
         self.events.push(Event::Discovery(CalloutEnd::Ok));
+        self.pool.answered = true;
         let skipped = found.skipped + found.truncated;
         if skipped > 0 {
             self.events.push(Event::DiscoverySkipped(

@@ -51,6 +51,24 @@ pub fn tick_ms(interval_ms: u64) -> u64 {
     (interval_ms / 4).clamp(10, 1000)
 }
 
+/// The first tick of a root context whose pool is discovered. Until the first discovery
+/// answer, every request falls back to Envoy's own pick (there is no member to route to), and
+/// at the regular tick that lasted a quarter of the scrape interval after each Envoy start
+/// (1,595 of the first 18k requests at 4.5k req/s were measured falling back before this).
+pub const FIRST_TICK_MS: u64 = 10;
+
+/// The tick period to ask for after a tick that ran at `current`: the regular `tick`, or,
+/// while the pool is still `awaiting` its first membership, twice `current` up to `tick` (a
+/// discovery that keeps failing, or an Envoy without the admin cluster, costs a handful of fast
+/// ticks, not a fast tick forever).
+pub fn next_tick_ms(current: u64, tick: u64, awaiting: bool) -> u64 {
+    if awaiting {
+        current.saturating_mul(2).clamp(1, tick.max(1))
+    } else {
+        tick
+    }
+}
+
 /// After this long without a heartbeat an instance's in-flight counts are ignored and it is
 /// reaped: many ticks, so a busy worker is not mistaken for a dead one.
 pub fn instance_stale_ms(tick_ms: u64) -> u64 {
@@ -137,6 +155,27 @@ mod tests {
         assert_eq!(tick_ms(60_000), 1000);
         assert_eq!(instance_stale_ms(250), 3000);
         assert_eq!(instance_stale_ms(1000), 8000);
+    }
+
+    #[test]
+    fn ticks_awaiting_the_first_membership_start_fast_and_back_off_to_the_regular_tick() {
+        let mut period = FIRST_TICK_MS;
+        let mut seen = vec![period];
+        while period != 250 {
+            period = next_tick_ms(period, 250, true);
+            seen.push(period);
+        }
+        assert_eq!(seen, [10, 20, 40, 80, 160, 250]);
+        assert_eq!(
+            next_tick_ms(250, 250, true),
+            250,
+            "never slower than the tick"
+        );
+        assert_eq!(
+            next_tick_ms(20, 250, false),
+            250,
+            "the pool is known: regular ticks"
+        );
     }
 
     #[test]

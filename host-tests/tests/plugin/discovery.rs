@@ -161,3 +161,59 @@ fn a_missing_admin_cluster_is_counted_every_interval_and_routing_goes_on() {
     assert!(rt.exchange.upstream_values(common::DEST).is_empty());
     assert!(vm.trapped().is_none());
 }
+
+#[test]
+fn a_discovered_pool_ticks_fast_until_its_first_membership_and_every_worker_routes_on_it_at_once() {
+    let host = host();
+    let mut w = [
+        common::configured(&host, &discovering()),
+        common::configured(&host, &discovering()),
+    ];
+    // The regular tick is a quarter of the 1 s scrape interval; before any membership the
+    // root asks for a 10 ms tick so the discovery goes out right after a start.
+    assert_eq!(w[0].tick_period_ms(), 10);
+    assert_eq!(w[1].tick_period_ms(), 10);
+
+    // Worker 0's first tick wins the discovery lease; its answer is published in shared data.
+    assert!(tick(&mut w[0], &CalloutReply::ok(admin_page(&[0, 1, 2]))));
+    assert_eq!(
+        w[0].tick_period_ms(),
+        250,
+        "the pool is known: the regular tick"
+    );
+
+    // Worker 1 has not ticked since: its next request reads the published membership
+    // instead of falling back to Envoy's pick until its own next tick.
+    let list = routed_to(&mut w[1], "right after the start");
+    assert_eq!(list.len(), 3, "{list:?}");
+    assert!(list.iter().all(|&e| e < 3), "{list:?}");
+    assert_eq!(host.stats().value("prefixroute.fallback.no_endpoints"), 0);
+
+    // Worker 1's tick then finds the pool known and slows down at once.
+    assert!(
+        !tick(&mut w[1], &CalloutReply::Reset),
+        "the lease is worker 0's"
+    );
+    assert_eq!(w[1].tick_period_ms(), 250);
+    assert!(w.iter().all(|vm| vm.trapped().is_none()));
+}
+
+#[test]
+fn a_discovery_that_never_answers_backs_the_fast_tick_off_to_the_regular_one() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &discovering());
+    let mut periods = vec![vm.tick_period_ms()];
+    for _ in 0..8 {
+        assert!(!tick(&mut vm, &CalloutReply::Reset), "no admin cluster");
+        host.clock().advance_ms(u64::from(vm.tick_period_ms()));
+        periods.push(vm.tick_period_ms());
+    }
+    assert_eq!(periods, [10, 20, 40, 80, 160, 250, 250, 250, 250]);
+    // Requests meanwhile fall back, each counted, never trapped.
+    let rt = vm
+        .round_trip(&host_tests::Request::chat(chat_body("s", "q")))
+        .unwrap();
+    assert!(rt.exchange.upstream_values(common::DEST).is_empty());
+    assert_eq!(host.stats().value("prefixroute.fallback.no_endpoints"), 1);
+    assert!(vm.trapped().is_none());
+}
