@@ -13,11 +13,16 @@ use blocks::BlockLru;
 /// llm-d's default capacity per endpoint, in blocks.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
 
-/// A chain's first blocks are all recorded: short shared heads (a system prompt of a few
-/// hundred tokens) are believed exactly.
-pub const DENSE_BLOCKS: usize = 16;
+/// A chain's first blocks are all recorded: a prompt of a few dozen tokens is believed exactly.
+/// Longer shared heads are exact where it matters without them: a system prompt or a document
+/// in its own message ends at a recorded message boundary, and a head that ends inside a
+/// message is found short once and then recorded densely by the request that fell short (see
+/// [`record_positions`]). Measured at 16 (git aa75b3c) and 4: every hit rate of the simulator's
+/// sweep traces equal to the digit, 11 fewer shared-data gets and sets per cold 1k-token
+/// request in the plugin (docs/benchmarks.md).
+pub const DENSE_BLOCKS: usize = 4;
 /// Beyond [`DENSE_BLOCKS`], one block in this many is recorded (plus the chain's last): a cold
-/// 16k-token prompt costs the plugin ~80 shared-data writes instead of ~1,000.
+/// 16k-token prompt costs the plugin ~70 shared-data writes instead of ~1,000.
 pub const STRIDE_BLOCKS: usize = 16;
 
 /// The positions of a chain of `n` blocks the belief records, in order, each with the number
@@ -27,7 +32,8 @@ pub const STRIDE_BLOCKS: usize = 16;
 /// * the last block of each prefix in `marks` (block counts: where the request's messages
 ///   begin, see [`crate::hashing::BlockHashes::marks`]);
 /// * densely, the blocks around `from`, the request's believed match on the endpoint before
-///   this record, where it leaves what is believed there (see [`window`]);
+///   this record, where it leaves what is believed there (see [`window`]); nothing for a cold
+///   request (`from` 0): a later request sharing part of it is found short once, as below;
 /// * the last block, where the request ends.
 ///
 /// Positions before `from` have weight 0: their blocks are believed and counted already, and
@@ -78,6 +84,13 @@ pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, u
 /// finds its exact end between two checkpoints), and before them the blocks back to the last
 /// checkpoint (an earlier request's dense part there stays fresh while the prefix is used).
 fn window(from: usize, n: usize) -> std::ops::Range<usize> {
+    if from == 0 {
+        // A cold chain: what a later request shares of it is found at its checkpoints and
+        // message boundaries, short by less than a stride once (that request then records
+        // densely from its match). Recording the first stride densely here cost the plugin a
+        // shared-data get and set per block for every new prompt.
+        return 0..0;
+    }
     let start = if from <= DENSE_BLOCKS {
         from
     } else {
@@ -466,12 +479,17 @@ mod tests {
                 prev = Some(p);
             }
         }
-        assert_eq!(record_positions(1024, &[], 0).len(), 16 + 63);
-        assert_eq!(record_positions(1030, &[], 0).len(), 16 + 63 + 1);
+        // A cold chain: the 4 dense blocks, every 16th after them (19, 35, …, 1011) and the end.
+        assert_eq!(record_positions(1024, &[], 0).len(), 4 + 63 + 1);
+        assert_eq!(record_positions(1030, &[], 0).len(), 4 + 64 + 1);
+        assert_eq!(
+            record_positions(40, &[], 0),
+            [(0, 1), (1, 1), (2, 1), (3, 1), (19, 16), (35, 16), (39, 4)]
+        );
         // A mark adds the last block before its boundary and splits the weights around it.
         assert_eq!(
-            record_positions(40, &[21, 40, 99, 0], 0)[16..],
-            [(20, 5), (31, 11), (39, 8)]
+            record_positions(40, &[21, 40, 99, 0], 0)[4..],
+            [(19, 16), (20, 1), (35, 15), (39, 4)]
         );
         // Leaving a believed match at 50: the 16 blocks from there are recorded densely.
         let left = record_positions(100, &[], 50);
@@ -483,7 +501,7 @@ mod tests {
         // A chain believed whole (an exact repeat) records its positions again, counting none.
         assert_eq!(
             record_positions(10, &[], 50),
-            (0..10).map(|p| (p, 0)).collect::<Vec<_>>()
+            [(0, 0), (1, 0), (2, 0), (3, 0), (9, 0)]
         );
     }
 
@@ -525,8 +543,8 @@ mod tests {
         let mut index = PrefixIndex::new(1, 100);
         let chain: Vec<u64> = (1..=64).collect();
         index.record(0, &chain);
-        // 16 dense blocks, checkpoints 31 and 47 (16 each), the end 63 (16).
-        assert_eq!(index.blocks(0).count(), 19);
+        // 4 dense blocks, checkpoints 19, 35 and 51 (16 each), the end 63 (12).
+        assert_eq!(index.blocks(0).count(), 8);
         assert_eq!(index.len(0), 64);
         assert_eq!(index.room(0).believed_blocks, 64);
         // A second chain of 64 blocks does not fit beside it: the first one's tail goes.

@@ -12,10 +12,11 @@
 //!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
 //!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
 //!   with one write.
-//! * Not every block of a chain is written: core's [`record_positions`] picks the first 16,
+//! * Not every block of a chain is written: core's [`record_positions`] picks the first 4,
 //!   one in 16 after, the last block before each message boundary, the 16 after the believed
-//!   match and the last, each reserving its weight of stamps (the blocks it stands for), so a
-//!   cold 16k-token prompt costs ~85 bucket writes, not ~1,000; lookups are core's
+//!   match (when there is one) and the last, each reserving its weight of stamps (the blocks it
+//!   stands for), so a cold 16k-token prompt costs ~73 bucket writes, not ~1,000, and a cold
+//!   1k-token one 14; lookups are core's
 //!   [`believed_match`] over the same positions (a binary search over the checkpoints).
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
@@ -1241,12 +1242,12 @@ mod tests {
         );
         s.end_request();
         // ...and the end mark rode on the block's own write: one set per bucket touched by
-        // a recorded position (the 16 dense ones, checkpoint 31 and the end, 39).
+        // a recorded position (the 4 dense ones, checkpoints 19 and 35, and the end, 39).
         let buckets: std::collections::BTreeSet<u64> = record_positions(chain.len(), &[], 0)
             .iter()
             .map(|&(p, _)| chain[p] & ((1 << s.table_bits()) - 1))
             .collect();
-        assert_eq!(record_positions(chain.len(), &[], 0).len(), 18);
+        assert_eq!(record_positions(chain.len(), &[], 0).len(), 7);
         let (_, sets_after) = host.calls();
         assert_eq!(sets_after - sets_mid, buckets.len() as u64);
         s.begin_request();
@@ -1267,8 +1268,8 @@ mod tests {
         s.mark_end(0, chain[1023]);
         s.end_request();
         let (_, after) = host.calls();
-        // 16 dense blocks + 63 checkpoints (31, 47, …, 1023) + the endpoint's clock.
-        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 1) as u64;
+        // 4 dense blocks + 63 checkpoints (19, 35, …, 1011) + the end + the endpoint's clock.
+        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 2) as u64;
         assert!(after - before <= bound, "{} sets > {bound}", after - before);
         assert!(after - before < 1024 / 10);
         // The belief still matches it whole, and counts every block against the capacity.
@@ -1276,10 +1277,11 @@ mod tests {
         assert_eq!(s.longest_match(0, &chain), 1024);
         assert!(s.continues(0, &chain, 1024));
         assert_eq!(s.room(0).believed_blocks, 1024);
-        // A prompt sharing 500 blocks of it is believed to share the last checkpoint before.
-        let mut other = chain[..500].to_vec();
+        // A prompt sharing 510 blocks of it is believed to share them up to the last
+        // checkpoint before, 499.
+        let mut other = chain[..510].to_vec();
         other.extend((0..20u64).map(|k| k ^ 0x5555));
-        assert_eq!(s.longest_match(0, &other), 496);
+        assert_eq!(s.longest_match(0, &other), 500);
         s.end_request();
     }
 
