@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -306,6 +307,30 @@ class Env:
 
     def log_path(self, name):
         return self.logs / f"{name}.log"
+
+
+def ab_arguments(parser):
+    """The options every A/B script takes: the CLI, Envoy and the plugin builds to compare."""
+    parser.add_argument("--prefixroute",
+                        default=str(ROOT / "target" / "release" / "prefixroute"))
+    parser.add_argument("--envoy", default=str(ROOT / ".venv" / "bin" / "envoy"))
+    parser.add_argument("--plugin-wasm", action="append", default=[],
+                        help="NAME=PATH of a plugin build (repeat to compare; default: this "
+                             "tree's)")
+
+
+def ab_setup(args, tag):
+    """What an A/B script (cpu_ab.py, startup.py) starts from: the `--plugin-wasm NAME=PATH`
+    builds (default: this tree's) and an Env in a fresh work directory; wrk is required."""
+    plugins = [tuple(s.split("=", 1)) for s in args.plugin_wasm] or [
+        ("plugin", str(ROOT / "target" / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"))]
+    workdir = Path(tempfile.mkdtemp(prefix=f"prefixroute-{tag}-"))
+    ns = argparse.Namespace(prefixroute=args.prefixroute, plugin_wasm=plugins[0][1],
+                            envoy=args.envoy)
+    env = Env(ns, workdir)
+    if env.wrk is None:
+        sys.exit(f"{tag}: wrk is not installed (bench/run.sh installs it)")
+    return plugins, env
 
 
 class FakeReplica:

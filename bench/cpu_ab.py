@@ -102,10 +102,7 @@ def measure(env, served, size, warmth, duration):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prefixroute", default=str(ROOT / "target" / "release" / "prefixroute"))
-    p.add_argument("--envoy", default=str(ROOT / ".venv" / "bin" / "envoy"))
-    p.add_argument("--plugin-wasm", action="append", default=[],
-                   help="NAME=PATH of a plugin build (repeat for an A/B; default: this tree's)")
+    bench.ab_arguments(p)
     p.add_argument("--floor-wasm", default=None, help="the floor filter (default: build it)")
     p.add_argument("--floor-variant", action="append", default=[],
                    help="GETS:SETS: also the floor filter making that many get_shared_data / "
@@ -116,15 +113,8 @@ def main():
     p.add_argument("--duration", type=int, default=4, help="seconds per wrk run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    plugins = [tuple(s.split("=", 1)) for s in args.plugin_wasm] or [
-        ("plugin", str(ROOT / "target" / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"))]
+    plugins, env = bench.ab_setup(args, "cpu-ab")
     floor = args.floor_wasm or str(build_floor())
-    workdir = Path(tempfile.mkdtemp(prefix="prefixroute-cpu-ab-"))
-    ns = argparse.Namespace(prefixroute=args.prefixroute, plugin_wasm=plugins[0][1],
-                            envoy=args.envoy)
-    env = bench.Env(ns, workdir)
-    if env.wrk is None:
-        sys.exit("cpu_ab: wrk is not installed (bench/run.sh installs it)")
     fleet = bench.start_fleet(env, 4, 4096, 4096, 0, 0, "cpu")
     systems = []
     results = {}

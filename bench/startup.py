@@ -14,12 +14,10 @@ Everything listens on 127.0.0.1; every process it starts is stopped when it ends
 import argparse
 import statistics
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench  # noqa: E402  (the orchestrator's process helpers)
 
@@ -56,21 +54,11 @@ def one_start(env, fleet, wasm, seconds, tag):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prefixroute", default=str(ROOT / "target" / "release" / "prefixroute"))
-    p.add_argument("--envoy", default=str(ROOT / ".venv" / "bin" / "envoy"))
-    p.add_argument("--plugin-wasm", action="append", default=[],
-                   help="NAME=PATH of a plugin build (repeat to compare; default: this tree's)")
+    bench.ab_arguments(p)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=int, default=2, help="seconds of load after each start")
     args = p.parse_args()
-    plugins = [tuple(s.split("=", 1)) for s in args.plugin_wasm] or [
-        ("plugin", str(ROOT / "target" / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"))]
-    workdir = Path(tempfile.mkdtemp(prefix="prefixroute-startup-"))
-    ns = argparse.Namespace(prefixroute=args.prefixroute, plugin_wasm=plugins[0][1],
-                            envoy=args.envoy)
-    env = bench.Env(ns, workdir)
-    if env.wrk is None:
-        sys.exit("startup: wrk is not installed (bench/run.sh installs it)")
+    plugins, env = bench.ab_setup(args, "startup")
     fleet = bench.start_fleet(env, 4, 4096, 4096, 0, 0, "startup")
     runs = {name: [] for name, _ in plugins}
     try:
