@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench  # noqa: E402  (the orchestrator's process helpers)
 
