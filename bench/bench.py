@@ -389,6 +389,25 @@ def start_fleet(env, n, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
     return fleet
 
 
+def plugin_counters(admin):
+    """The plugin's own counters (`prefixroute.*`, without the per-endpoint gauges and
+    `routed.*`) from the Envoy admin interface on port `admin`."""
+    url = f"http://127.0.0.1:{admin}/stats?filter=prefixroute"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, urllib.error.URLError):
+        return {"error": "admin unreachable"}
+    stats = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        name = name.strip()
+        if name.startswith("wasmcustom.prefixroute.") and value.strip().isdigit() \
+                and ".endpoint." not in name and ".routed." not in name:
+            stats[name[len("wasmcustom."):]] = int(value)
+    return stats
+
+
 class Router:
     """One router process in front of a fleet; `url` is where clients send requests."""
 
@@ -444,21 +463,7 @@ class Router:
         routers. Fallbacks other than not_routable mean a request was not routed by prefix."""
         if self.kind not in PLUGIN or self.admin is None:
             return {}
-        url = f"http://127.0.0.1:{self.admin}/stats?filter=prefixroute"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-        except (OSError, urllib.error.URLError):
-            return {"error": "admin unreachable"}
-        stats = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(": ")
-            name = name.strip()
-            # The plugin's own counters; per-endpoint gauges and routed.* are left out.
-            if name.startswith("wasmcustom.prefixroute.") and value.strip().isdigit() \
-                    and ".endpoint." not in name and ".routed." not in name:
-                stats[name[len("wasmcustom."):]] = int(value)
-        return stats
+        return plugin_counters(self.admin)
 
     def close(self):
         if self.proc is not None:

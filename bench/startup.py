@@ -14,22 +14,11 @@ Everything listens on 127.0.0.1; every process it starts is stopped when it ends
 import argparse
 import statistics
 import sys
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench  # noqa: E402  (the orchestrator's process helpers)
-
-
-def stat(admin, name):
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=prefixroute",
-                                timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            key, _, value = line.partition(": ")
-            if key.strip() == name and value.strip().isdigit():
-                return int(value)
-    return 0
 
 
 def one_start(env, fleet, wasm, seconds, tag):
@@ -47,7 +36,8 @@ def one_start(env, fleet, wasm, seconds, tag):
         bench.wait_until("Envoy", lambda: bench.http_get(f"http://127.0.0.1:{admin}/ready")
                          == 200, proc, 30, log_path)
         run = bench.wrk_run(env, f"http://127.0.0.1:{port}", 1024, 16, seconds)
-        return run["requests"], stat(admin, "wasmcustom.prefixroute.fallback.no_endpoints")
+        counters = bench.plugin_counters(admin)
+        return run["requests"], counters.get("prefixroute.fallback.no_endpoints", 0)
     finally:
         bench.stop(proc)
 
