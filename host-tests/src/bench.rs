@@ -44,7 +44,8 @@ fn endpoint_config(n: usize) -> serde_json::Value {
     json!({"endpoints": endpoints, "block_size": 16, "seed": 1})
 }
 
-const PAGE: &str = "vllm:num_requests_waiting{model_name=\"m\"} 1\n\
+/// The metrics page every endpoint answers its scrapes with.
+pub const PAGE: &str = "vllm:num_requests_waiting{model_name=\"m\"} 1\n\
                     vllm:num_requests_running{model_name=\"m\"} 2\n\
                     vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n";
 
@@ -57,7 +58,7 @@ fn scrape_all(vm: &mut Vm) -> wasmtime::Result<()> {
 
 /// A chat body whose system prompt is `tokens` one-token words (less the chat markup),
 /// starting with the tenant's name so every tenant has its own chain.
-fn body(tenant: usize, tokens: usize, question: &str) -> Vec<u8> {
+pub fn body(tenant: usize, tokens: usize, question: &str) -> Vec<u8> {
     let words: Vec<String> = (0..tokens.saturating_sub(24))
         .map(|i| format!("w{}", (i * 7 + tenant) % 97))
         .collect();

@@ -78,6 +78,12 @@ impl Plugin {
         let mut config = Config::new();
         // Fuel is how instructions are counted (and how runaway guests are stopped).
         config.consume_fuel(true);
+        // `PREFIXROUTE_PERF_MAP=1`: wasmtime writes /tmp/perf-<pid>.map, so `perf record` of
+        // a run attributes time to the guest's functions (see examples/profile.rs). Off by
+        // default: the fuel counts do not depend on it.
+        if std::env::var_os("PREFIXROUTE_PERF_MAP").is_some_and(|v| v == "1") {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         Engine::new(&config)
     }
 

@@ -1,0 +1,93 @@
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS]`:
+//! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
+//! VM with 3 endpoints and prints the wasm instructions per request and per token. Cold: each
+//! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
+//! each. The bodies are the cost table's (`host_tests::bench::body`).
+//!
+//! Where the instructions go, by guest function: build the plugin with its names kept, run
+//! this under perf with wasmtime's perf map, and read the `[JIT]` rows:
+//!
+//! ```text
+//! CARGO_TARGET_DIR=/tmp/named cargo build -p prefixroute-plugin --target wasm32-wasip1 \
+//!   --profile wasm --config 'profile.wasm.package.prefixroute-plugin.strip="none"'
+//! PREFIXROUTE_PERF_MAP=1 PREFIXROUTE_PLUGIN_WASM=/tmp/named/wasm32-wasip1/wasm/prefixroute_plugin.wasm \
+//!   perf record -o /tmp/perf.data target/release/examples/profile 16384 cold
+//! perf report -i /tmp/perf.data --no-children --sort dso,symbol | grep JIT
+//! ```
+//!
+//! LLVM inlines the tokenizer and the chain into the scheduler's `route`; mark the functions
+//! of interest `#[inline(never)]` for such a build to see them apart.
+use host_tests::{CalloutReply, Host, Request};
+use serde_json::json;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("profile: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let tokens: usize = match args.first() {
+        Some(t) => t
+            .parse()
+            .map_err(|_| format!("TOKENS must be a number, not {t:?}"))?,
+        None => 16_384,
+    };
+    let warm = match args.get(1).map(String::as_str) {
+        None | Some("cold") => false,
+        Some("warm") => true,
+        Some(other) => return Err(format!("expected cold or warm, not {other:?}")),
+    };
+    let requests: usize = match args.get(2) {
+        Some(n) => n
+            .parse()
+            .map_err(|_| format!("REQUESTS must be a number, not {n:?}"))?,
+        None => 300,
+    };
+    let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
+    let endpoints: Vec<_> = (0..3)
+        .map(|i| json!({"name": format!("r{i}"), "address": format!("10.2.0.{}:8000", i + 1)}))
+        .collect();
+    let config = json!({"endpoints": endpoints, "block_size": 16, "seed": 1}).to_string();
+    let mut vm = host
+        .configured_vm(config.as_bytes())
+        .map_err(|e| format!("{e:#}"))?;
+    vm.tick().map_err(|e| format!("{e:#}"))?;
+    for c in vm.pending_callouts() {
+        vm.answer_callout(c.token, CalloutReply::ok(host_tests::bench::PAGE))
+            .map_err(|e| format!("{e:#}"))?;
+    }
+    // Bodies are made before the first request, so a profile of the loop is the guest's.
+    let bodies: Vec<Vec<u8>> = (0..requests)
+        .map(|r| {
+            let tenant = if warm { 1 } else { r };
+            host_tests::bench::body(tenant, tokens, &format!("question {r}"))
+        })
+        .collect();
+    let (mut fuel, mut routed_tokens) = (0u64, 0usize);
+    for body in &bodies {
+        let rt = vm
+            .round_trip(&Request::chat(body.clone()))
+            .map_err(|e| format!("{e:#}"))?;
+        fuel += rt.costs.total.fuel;
+        let parsed = prefixroute_core::parse_request(body).map_err(|e| e.to_string())?;
+        routed_tokens +=
+            prefixroute_core::hashing::hash_request(&parsed, Default::default()).total_tokens();
+        host.clock().advance_ms(1);
+    }
+    if let Some(why) = vm.trapped() {
+        return Err(format!("the plugin trapped: {why}"));
+    }
+    let n = bodies.len().max(1) as u64;
+    println!(
+        "{} requests, {} tokens each ({}): {} instructions per request, {:.1} per token",
+        bodies.len(),
+        routed_tokens / bodies.len().max(1),
+        if warm { "warm" } else { "cold" },
+        fuel / n,
+        fuel as f64 / routed_tokens.max(1) as f64,
+    );
+    Ok(())
+}
