@@ -17,8 +17,7 @@
 //!
 //! LLVM inlines the tokenizer and the chain into the scheduler's `route`; mark the functions
 //! of interest `#[inline(never)]` for such a build to see them apart.
-use host_tests::{CalloutReply, Host, Request};
-use serde_json::json;
+use host_tests::{Host, Request};
 
 fn main() {
     if let Err(e) = run() {
@@ -47,34 +46,30 @@ fn run() -> Result<(), String> {
         None => 300,
     };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
-    let endpoints: Vec<_> = (0..3)
-        .map(|i| json!({"name": format!("r{i}"), "address": format!("10.2.0.{}:8000", i + 1)}))
-        .collect();
-    let config = json!({"endpoints": endpoints, "block_size": 16, "seed": 1}).to_string();
+    let config = host_tests::bench::endpoint_config(3).to_string();
     let mut vm = host
         .configured_vm(config.as_bytes())
         .map_err(|e| format!("{e:#}"))?;
     vm.tick().map_err(|e| format!("{e:#}"))?;
-    for c in vm.pending_callouts() {
-        vm.answer_callout(c.token, CalloutReply::ok(host_tests::bench::PAGE))
-            .map_err(|e| format!("{e:#}"))?;
+    host_tests::bench::scrape_all(&mut vm).map_err(|e| format!("{e:#}"))?;
+    // Bodies (and their token counts) are made before the first request, so a profile of the
+    // loop is the guest's.
+    let mut routed_tokens = 0;
+    let mut bodies = Vec::with_capacity(requests);
+    for r in 0..requests {
+        let tenant = if warm { 1 } else { r };
+        let body = host_tests::bench::body(tenant, tokens, &format!("question {r}"));
+        let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
+        routed_tokens +=
+            prefixroute_core::hashing::hash_request(&parsed, Default::default()).total_tokens();
+        bodies.push(body);
     }
-    // Bodies are made before the first request, so a profile of the loop is the guest's.
-    let bodies: Vec<Vec<u8>> = (0..requests)
-        .map(|r| {
-            let tenant = if warm { 1 } else { r };
-            host_tests::bench::body(tenant, tokens, &format!("question {r}"))
-        })
-        .collect();
-    let (mut fuel, mut routed_tokens) = (0u64, 0usize);
+    let mut fuel = 0u64;
     for body in &bodies {
         let rt = vm
             .round_trip(&Request::chat(body.clone()))
             .map_err(|e| format!("{e:#}"))?;
         fuel += rt.costs.total.fuel;
-        let parsed = prefixroute_core::parse_request(body).map_err(|e| e.to_string())?;
-        routed_tokens +=
-            prefixroute_core::hashing::hash_request(&parsed, Default::default()).total_tokens();
         host.clock().advance_ms(1);
     }
     if let Some(why) = vm.trapped() {

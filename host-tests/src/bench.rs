@@ -37,7 +37,8 @@ pub struct TickRow {
 pub const ENDPOINTS: [usize; 3] = [3, 16, 64];
 pub const TOKENS: [usize; 4] = [64, 1024, 4096, 16384];
 
-fn endpoint_config(n: usize) -> serde_json::Value {
+/// The configuration of `n` endpoints the cost table routes over.
+pub fn endpoint_config(n: usize) -> serde_json::Value {
     let endpoints: Vec<_> = (0..n)
         .map(|i| json!({"name": format!("r{i}"), "address": format!("10.2.{}.{}:8000", i / 200, i % 200 + 1)}))
         .collect();
@@ -49,7 +50,8 @@ pub const PAGE: &str = "vllm:num_requests_waiting{model_name=\"m\"} 1\n\
                     vllm:num_requests_running{model_name=\"m\"} 2\n\
                     vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n";
 
-fn scrape_all(vm: &mut Vm) -> wasmtime::Result<()> {
+/// Answers every scrape the VM has sent with [`PAGE`].
+pub fn scrape_all(vm: &mut Vm) -> wasmtime::Result<()> {
     for c in vm.pending_callouts() {
         vm.answer_callout(c.token, CalloutReply::ok(PAGE))?;
     }
