@@ -438,7 +438,18 @@ const LEDGER_BYTES: usize = 64;
 
 impl InstanceRecord {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_layout();
+        let mut out = Vec::new();
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// [`InstanceRecord::encode`] into `out` (cleared first), so that a writer publishing on
+    /// every request reuses one buffer.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.reserve(123 + LEDGER_BYTES * self.endpoints.len());
+        out.push(LAYOUT);
+        let mut w = Writer(std::mem::take(out));
         w.u64(self.nonce);
         w.u64(self.heartbeat_ms);
         for e in self.lanes.excess {
@@ -462,7 +473,7 @@ impl InstanceRecord {
             w.u64(e.sent.predicted_cached);
             w.f64(e.live_groups);
         }
-        w.0
+        *out = w.0;
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Self> {
@@ -946,6 +957,16 @@ mod tests {
             ],
         };
         assert_eq!(rec.encode().len(), 123 + 2 * 64);
+        // The ledger encodes into one buffer over and over: a shorter record written over a
+        // longer one leaves none of the longer one's bytes behind.
+        let mut buf = rec.encode();
+        let shorter = InstanceRecord {
+            endpoints: rec.endpoints[..1].to_vec(),
+            ..rec.clone()
+        };
+        shorter.encode_into(&mut buf);
+        assert_eq!(buf, shorter.encode());
+        assert_eq!(InstanceRecord::decode(&buf), Some(shorter));
         assert_eq!(InstanceRecord::decode(&rec.encode()), Some(rec));
         let reg = Registry {
             next_nonce: 5,

@@ -23,7 +23,7 @@ use prefixroute_core::latency::{
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
 use crate::shared::{
-    instance_key, read_modify_write, read_or_default, EndpointIds, SetError, SharedData,
+    read_modify_write, read_or_default, EndpointIds, InstanceKeys, SetError, SharedData,
     SharedDataErrors, CAS_ATTEMPTS, REGISTRY_KEY,
 };
 
@@ -85,6 +85,11 @@ pub struct Ledger {
     peers: Vec<Member>,
     stale_ms: u64,
     counts: LedgerCounts,
+    keys: InstanceKeys,
+    /// What [`Ledger::publish`] writes, kept between publishes (three per request) so that it
+    /// allocates neither the record's endpoint list nor its bytes again.
+    record: InstanceRecord,
+    encoded: Vec<u8>,
 }
 
 impl Ledger {
@@ -98,6 +103,9 @@ impl Ledger {
             peers: Vec::new(),
             stale_ms,
             counts: LedgerCounts::default(),
+            keys: InstanceKeys::default(),
+            record: InstanceRecord::default(),
+            encoded: Vec::new(),
         }
     }
 
@@ -243,7 +251,7 @@ impl Ledger {
             live: self.live.clone(),
         };
         for peer in &self.peers {
-            let record = match host.get(&instance_key(peer.slot)) {
+            let record = match host.get(self.keys.get(peer.slot)) {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
                 Ok(None) => None,
                 Err(_) => {
@@ -289,7 +297,7 @@ impl Ledger {
                 alive.push(*member);
                 continue;
             }
-            let record = match host.get(&instance_key(member.slot)) {
+            let record = match host.get(self.keys.get(member.slot)) {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
                 Ok(None) => None,
                 Err(_) => {
@@ -359,13 +367,15 @@ impl Ledger {
 
     fn publish(&mut self, host: &impl SharedData, now_ms: u64) {
         let Some(me) = self.me else { return };
-        let record = InstanceRecord {
-            nonce: me.nonce,
-            heartbeat_ms: now_ms,
-            lanes: self.own.learned.lanes,
-            hold: self.own.learned.hold,
-            growth: self.growth,
-            endpoints: (0..self.ids.len())
+        let record = &mut self.record;
+        record.nonce = me.nonce;
+        record.heartbeat_ms = now_ms;
+        record.lanes = self.own.learned.lanes;
+        record.hold = self.own.learned.hold;
+        record.growth = self.growth;
+        record.endpoints.clear();
+        record.endpoints.extend(
+            (0..self.ids.len())
                 .map(|e| EndpointLedger {
                     endpoint: self.ids.id(e).unwrap_or_default(),
                     work: self.own.work[e],
@@ -373,13 +383,10 @@ impl Ledger {
                     sent: self.own.sent[e],
                     live_groups: self.live.count.get(e).copied().unwrap_or(0.0),
                 })
-                .filter(|l| !l.is_empty())
-                .collect(),
-        };
-        if host
-            .set(&instance_key(me.slot), &record.encode(), 0)
-            .is_err()
-        {
+                .filter(|l| !l.is_empty()),
+        );
+        record.encode_into(&mut self.encoded);
+        if host.set(self.keys.get(me.slot), &self.encoded, 0).is_err() {
             self.counts.shared.host_errors += 1;
         }
     }

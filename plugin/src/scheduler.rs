@@ -340,7 +340,6 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_growth(pooled.growth);
         self.router.set_live_groups(pooled.live);
         let stale_after = self.config.scrape.stale_after_ms;
-        let routable: Vec<bool> = self.pool.members.iter().map(|m| m.routable).collect();
         (0..self.endpoints())
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
@@ -353,7 +352,11 @@ impl<H: SharedData> Scheduler<H> {
                     let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
                     (
                         scaled_capacity(capacity, state.calibration),
-                        estimate_load(metrics, pooled.work[e], state.down || !routable[e]),
+                        estimate_load(
+                            metrics,
+                            pooled.work[e],
+                            state.down || !self.pool.members[e].routable,
+                        ),
                     )
                 });
                 self.router.set_capacity(e, capacity);

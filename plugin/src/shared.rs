@@ -98,6 +98,22 @@ pub fn instance_key(slot: u32) -> String {
     format!("prefixroute/ledger/{slot}")
 }
 
+/// [`instance_key`]s built once per slot: the ledger names its own record on every publish
+/// (three per request) and each peer's on every route, and a `format!` is an allocation each.
+#[derive(Debug, Default)]
+pub struct InstanceKeys(Vec<String>);
+
+impl InstanceKeys {
+    pub fn get(&mut self, slot: u32) -> &str {
+        let slot = slot as usize;
+        while self.0.len() <= slot {
+            let next = self.0.len() as u32;
+            self.0.push(instance_key(next));
+        }
+        &self.0[slot]
+    }
+}
+
 /// Read-modify-write attempts before giving up (the caller counts a give-up). A lost race
 /// means another worker wrote the key between our read and our write; eight losses in a row
 /// only happen under a storm of writes to one key, where dropping one update is the lesser harm
@@ -457,5 +473,9 @@ mod tests {
         );
         assert_eq!(bucket_key(16, 0xbeef), "prefixroute/ix/16/beef");
         assert_eq!(instance_key(3), "prefixroute/ledger/3");
+        let mut keys = InstanceKeys::default();
+        assert_eq!(keys.get(12), "prefixroute/ledger/12");
+        assert_eq!(keys.get(0), "prefixroute/ledger/0");
+        assert_eq!(keys.get(12), instance_key(12));
     }
 }
