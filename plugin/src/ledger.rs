@@ -18,7 +18,7 @@
 
 use prefixroute_core::latency::{
     EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation, Prediction,
-    RequestLedger, SentTokens,
+    PrefillRate, RequestLedger, SentTokens,
 };
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
@@ -90,6 +90,8 @@ pub struct Ledger {
     /// allocates neither the record's endpoint list nor its bytes again.
     record: InstanceRecord,
     encoded: Vec<u8>,
+    /// A peer's learned model as its record tells it, rebuilt in place for each peer read.
+    peer_model: LearnedModel,
 }
 
 impl Ledger {
@@ -106,6 +108,7 @@ impl Ledger {
             keys: InstanceKeys::default(),
             record: InstanceRecord::default(),
             encoded: Vec::new(),
+            peer_model: LearnedModel::new(0),
         }
     }
 
@@ -263,7 +266,9 @@ impl Ledger {
             if record.nonce != peer.nonce || self.is_stale(record.heartbeat_ms, now_ms) {
                 continue;
             }
-            let mut theirs = LearnedModel::new(n);
+            let theirs = &mut self.peer_model;
+            theirs.rates.clear();
+            theirs.rates.resize(n, PrefillRate::default());
             theirs.lanes = record.lanes;
             theirs.hold = record.hold;
             for ledger in &record.endpoints {
@@ -273,7 +278,7 @@ impl Ledger {
                     theirs.rates[e] = ledger.rate;
                 }
             }
-            pooled.learned.add(&theirs);
+            pooled.learned.add(theirs);
             pooled.add_growth(&record.growth);
         }
         pooled
@@ -395,7 +400,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prefixroute_core::latency::{Backlog, PrefillRate};
+    use prefixroute_core::latency::Backlog;
 
     use crate::shared::MemShared;
 
@@ -469,6 +474,24 @@ mod tests {
         b.release(&host, 2, Some(700), None, 150);
         b.release(&host, 2, Some(700), None, 150);
         assert_eq!(a.totals(&host, 150).work[2], EndpointWork::default());
+    }
+
+    #[test]
+    fn a_peer_that_learned_nothing_adds_nothing_after_one_that_did() {
+        // The peers' models are rebuilt in one buffer: what the first taught must not be
+        // read again as the second's.
+        let host = MemShared::new();
+        let (mut a, mut b, mut c) = (instance(), instance(), instance());
+        let config = LatencyConfig::default();
+        a.acquire(&host, 1, &work(500), 0);
+        b.acquire(&host, 0, &work(0), 0);
+        c.acquire(&host, 2, &work(0), 0);
+        a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
+        c.tick(&host, 20);
+        let pooled = c.totals(&host, 20);
+        assert_eq!(pooled.learned.rates[1].busy_ms, 1000.0);
+        assert_eq!(pooled.learned.rates[1].work_tokens, 500.0);
+        assert_eq!(pooled.learned.rates[0], PrefillRate::default());
     }
 
     #[test]

@@ -19,13 +19,14 @@ pub type SharedScheduler = Rc<RefCell<Scheduler<HostShared>>>;
 
 /// Drains the scheduler's events into Envoy stats.
 pub fn flush(scheduler: &mut Scheduler<HostShared>, metrics: &RefCell<Metrics>) {
-    let events = scheduler.drain_events();
+    let events = scheduler.events();
     if events.is_empty() {
         return;
     }
     if let Ok(mut m) = metrics.try_borrow_mut() {
-        m.record(&events, scheduler.stat_names());
+        m.record(events, scheduler.stat_names());
     }
+    scheduler.clear_events();
 }
 
 /// Headers the scheduler lends out, owned, so the callout is sent without its borrow.

@@ -1050,6 +1050,18 @@ impl<H: SharedData> Scheduler<H> {
         });
     }
 
+    /// What happened since the events were last cleared, for the stats.
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Forgets the events, keeping their room: a request pushes a few, and a vector taken
+    /// away on every flush would be allocated again by the next request.
+    pub fn clear_events(&mut self) {
+        self.events.clear();
+    }
+
+    #[cfg(test)]
     pub fn drain_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
     }
