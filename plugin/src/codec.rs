@@ -434,6 +434,7 @@ pub struct InstanceRecord {
     pub endpoints: Vec<EndpointLedger>,
 }
 
+const INSTANCE_HEADER_BYTES: usize = 123;
 const LEDGER_BYTES: usize = 64;
 
 impl InstanceRecord {
@@ -446,8 +447,10 @@ impl InstanceRecord {
     /// [`InstanceRecord::encode`] into `out` (cleared first), so that a writer publishing on
     /// every request reuses one buffer.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
+        // `Writer::with_layout_capacity`'s start, in `out`'s allocation (a shared helper for
+        // both measured 121 bytes more of `.wasm`).
         out.clear();
-        out.reserve(123 + LEDGER_BYTES * self.endpoints.len());
+        out.reserve(INSTANCE_HEADER_BYTES + LEDGER_BYTES * self.endpoints.len());
         out.push(LAYOUT);
         let mut w = Writer(std::mem::take(out));
         w.u64(self.nonce);
@@ -957,6 +960,7 @@ mod tests {
             ],
         };
         assert_eq!(rec.encode().len(), 123 + 2 * 64);
+        assert_eq!(rec.encode().capacity(), 123 + 2 * 64);
         // The ledger encodes into one buffer over and over: a shorter record written over a
         // longer one leaves none of the longer one's bytes behind.
         let mut buf = rec.encode();

@@ -100,17 +100,29 @@ pub fn instance_key(slot: u32) -> String {
 
 /// [`instance_key`]s built once per slot: the ledger names its own record on every publish
 /// (three per request) and each peer's on every route, and a `format!` is an allocation each.
+/// Slots come from the shared registry, where they are small (one per live instance); a
+/// garbled one beyond [`InstanceKeys::MAX`] is formatted each time rather than growing the
+/// table to its number.
 #[derive(Debug, Default)]
-pub struct InstanceKeys(Vec<String>);
+pub struct InstanceKeys {
+    by_slot: Vec<String>,
+    other: String,
+}
 
 impl InstanceKeys {
+    const MAX: usize = 64;
+
     pub fn get(&mut self, slot: u32) -> &str {
-        let slot = slot as usize;
-        while self.0.len() <= slot {
-            let next = self.0.len() as u32;
-            self.0.push(instance_key(next));
+        let i = slot as usize;
+        if i >= Self::MAX {
+            self.other = instance_key(slot);
+            return &self.other;
         }
-        &self.0[slot]
+        while self.by_slot.len() <= i {
+            let next = self.by_slot.len() as u32;
+            self.by_slot.push(instance_key(next));
+        }
+        &self.by_slot[i]
     }
 }
 
@@ -477,5 +489,10 @@ mod tests {
         assert_eq!(keys.get(12), "prefixroute/ledger/12");
         assert_eq!(keys.get(0), "prefixroute/ledger/0");
         assert_eq!(keys.get(12), instance_key(12));
+        assert_eq!(keys.get(u32::MAX), instance_key(u32::MAX));
+        for slot in 100..300 {
+            assert_eq!(keys.get(slot), instance_key(slot));
+        }
+        assert!(keys.by_slot.len() <= InstanceKeys::MAX);
     }
 }
