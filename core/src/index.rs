@@ -21,20 +21,32 @@ pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
 /// sweep traces equal to the digit, 11 fewer shared-data gets and sets per cold 1k-token
 /// request in the plugin (docs/benchmarks.md).
 pub const DENSE_BLOCKS: usize = 4;
-/// Beyond [`DENSE_BLOCKS`], one block in this many is recorded (plus the chain's last): a cold
-/// 16k-token prompt costs the plugin ~70 shared-data writes instead of ~1,000.
+/// Beyond [`DENSE_BLOCKS`], the *grid*: one block in this many. Where a chain ends or leaves
+/// its believed match, the grid around it is recorded, so a later request sharing the chain
+/// is believed to within this many blocks of what it shares.
 pub const STRIDE_BLOCKS: usize = 16;
+/// Grid points that are *checkpoints* (recorded by every chain that passes them) at each
+/// spacing: the first [`DENSE_BLOCKS`] blocks, then this many grid points in a row (blocks 19,
+/// 35, …, 259), then this many every other grid point (stride 32, to block 771), this many
+/// every fourth (stride 64, to 1,795), and so on, doubling. So a cold prompt's writes grow with
+/// the logarithm of its length, not with it: a cold 16k-token prompt (1,024 blocks) records 39
+/// checkpoints instead of 67 with a fixed stride, a 128k-token one 84 instead of 515. Chains up
+/// to 260 blocks (4,160 tokens at 16 per block) record exactly what a fixed stride records.
+pub const CHECKPOINTS_PER_LEVEL: usize = 16;
 
 /// The positions of a chain of `n` blocks the belief records, in order, each with the number
 /// of new blocks it stands for (itself and the unrecorded ones before it, counted from `from`):
 ///
-/// * every checkpoint: the first [`DENSE_BLOCKS`] blocks, then every [`STRIDE_BLOCKS`]-th;
+/// * every checkpoint (see [`CHECKPOINTS_PER_LEVEL`]);
 /// * the last block of each prefix in `marks` (block counts: where the request's messages
-///   begin, see [`crate::hashing::BlockHashes::marks`]);
+///   begin, see [`crate::hashing::BlockHashes::marks`]), and the grid points of its gap up to
+///   it (so a gap's grid is held as a prefix up to a recorded end, see [`grid_to`]);
+/// * leaving a believed match of `from` blocks, the grid points from `from` to the next
+///   checkpoint;
 /// * densely, the blocks around `from`, the request's believed match on the endpoint before
 ///   this record, where it leaves what is believed there (see [`window`]); nothing for a cold
 ///   request (`from` 0): a later request sharing part of it is found short once, as below;
-/// * the last block, where the request ends.
+/// * the last block, where the request ends, and the grid of its gap up to it.
 ///
 /// Positions before `from` have weight 0: their blocks are believed and counted already, and
 /// a store only refreshes the ones it holds there, it never adds them.
@@ -43,50 +55,76 @@ pub const STRIDE_BLOCKS: usize = 16;
 /// write per recorded block); the weights keep the capacity counting blocks, as the server's
 /// cache does. What it costs: a match is found at recorded positions only (see
 /// [`believed_match`]), so the believed match of a chain that shares part of a recorded chain
-/// can fall short of the true shared prefix by fewer than [`STRIDE_BLOCKS`] blocks. Never
-/// within the first [`DENSE_BLOCKS`] blocks, never when the shared prefix ends where the
-/// recorded request ended (the next turn of a conversation, an exact repeat) or where one of
-/// its messages began (a system prompt, a document in its own message), and only once for a
-/// prefix that ends inside a message (a document and its question in one): the request that
-/// fell short records the blocks after its match densely, so the next one finds the end.
+/// can fall short of the true shared prefix: by fewer than [`STRIDE_BLOCKS`] blocks where the
+/// recorded chain ended or left its match in the same gap between checkpoints, else by fewer
+/// than the gap ([`gap_blocks`]: 16 blocks up to block 259, 32 to 771, 64 to 1,795, … about
+/// a sixteenth of the depth). Never within the first [`DENSE_BLOCKS`] blocks, never when the
+/// shared prefix ends where the recorded request ended (the next turn of a conversation, an
+/// exact repeat) or where one of its messages began (a system prompt, a document in its own
+/// message), and only once for a prefix that ends inside a message (a document and its
+/// question in one): the request that fell short records its gap's grid and the blocks after
+/// its match densely, so the next one finds the end to within [`STRIDE_BLOCKS`], or exactly.
 pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {
-    let mut positions: Vec<usize> = (0..checkpoints(n))
-        .map(checkpoint)
-        .chain(window(from, n))
-        .chain(
-            marks
-                .iter()
-                .filter(|&&k| (1..=n).contains(&k))
-                .map(|k| k - 1),
-        )
-        .chain(n.checked_sub(1))
-        .collect();
-    positions.sort_unstable();
-    positions.dedup();
+    let k = checkpoints(n);
+    let grid_n = grid_points(n);
+    // The last block of each message that begins a later one, and the chain's last.
+    let ends = marks
+        .iter()
+        .filter(|&&k| (1..=n).contains(&k))
+        .map(|k| k - 1)
+        .chain(n.checked_sub(1));
+    // The grid of the match's gap: from `from` to the next checkpoint (none for a cold chain).
+    let from_gap = if from == 0 {
+        0..0
+    } else {
+        let next = checkpoints(from);
+        grid_points(from)..if next < k {
+            checkpoint_on_grid(next)
+        } else {
+            grid_n
+        }
+    };
+    // One bit per block, read back in order: the sources overlap and come in several
+    // increasing runs; a sort would carry its own copy of the standard library's (~3 KB of
+    // the plugin's .wasm).
+    let mut recorded = vec![0u64; n.div_ceil(64)];
+    let mut put = |p: usize| recorded[p / 64] |= 1 << (p % 64);
+    (0..k).map(checkpoint_position).for_each(&mut put);
+    from_gap.map(grid_point).for_each(&mut put);
+    window(from, n).for_each(&mut put);
+    for end in ends {
+        grid_to(end).map(grid_point).for_each(&mut put);
+        put(end);
+    }
     // Blocks before `from` are believed already, counted by whatever recorded them: weight 0.
     // The new ones are counted once, each by the next recorded position.
     let mut next = from.min(n);
-    positions
-        .into_iter()
-        .map(|p| {
+    let count = recorded.iter().map(|w| w.count_ones() as usize).sum();
+    let mut positions = Vec::with_capacity(count);
+    for (w, &word) in recorded.iter().enumerate() {
+        let mut bits = word;
+        while bits != 0 {
+            let p = w * 64 + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
             if p < next {
-                return (p, 0);
+                positions.push((p, 0));
+            } else {
+                positions.push((p, p + 1 - next));
+                next = p + 1;
             }
-            let weight = p + 1 - next;
-            next = p + 1;
-            (p, weight)
-        })
-        .collect()
+        }
+    }
+    positions
 }
 
 /// The dense part of [`record_positions`] for a request leaving a believed match of `from`
 /// blocks: the [`STRIDE_BLOCKS`] blocks from `from` (a later request sharing the prefix then
-/// finds its exact end between two checkpoints), and before them the blocks back to the last
-/// checkpoint (an earlier request's dense part there stays fresh while the prefix is used).
+/// finds its exact end between two grid points), and before them the blocks back to the last
+/// grid point (an earlier request's dense part there stays fresh while the prefix is used).
 fn window(from: usize, n: usize) -> std::ops::Range<usize> {
     if from == 0 {
         // A cold chain: what a later request shares of it is found at its checkpoints and
-        // message boundaries, short by less than a stride once (that request then records
+        // message boundaries, short by less than a gap once (that request then records
         // densely from its match). Recording the first stride densely here cost the plugin a
         // shared-data get and set per block for every new prompt.
         return 0..0;
@@ -94,22 +132,25 @@ fn window(from: usize, n: usize) -> std::ops::Range<usize> {
     let start = if from <= DENSE_BLOCKS {
         from
     } else {
-        checkpoint(checkpoints(from) - 1) + 1
+        grid_point(grid_points(from) - 1) + 1
     };
     start.min(n)..from.saturating_add(STRIDE_BLOCKS).min(n)
 }
 
-/// The `k`-th checkpoint position (from 0).
-fn checkpoint(k: usize) -> usize {
-    if k < DENSE_BLOCKS {
-        k
+/// The `g`-th grid point's position (from 0): the dense blocks, then every
+/// [`STRIDE_BLOCKS`]-th block.
+#[inline]
+fn grid_point(g: usize) -> usize {
+    if g < DENSE_BLOCKS {
+        g
     } else {
-        DENSE_BLOCKS + (k - DENSE_BLOCKS + 1) * STRIDE_BLOCKS - 1
+        DENSE_BLOCKS + (g - DENSE_BLOCKS + 1) * STRIDE_BLOCKS - 1
     }
 }
 
-/// How many checkpoints lie in a chain of `n` blocks.
-fn checkpoints(n: usize) -> usize {
+/// How many grid points lie in a chain of `n` blocks.
+#[inline]
+fn grid_points(n: usize) -> usize {
     if n <= DENSE_BLOCKS {
         n
     } else {
@@ -117,65 +158,175 @@ fn checkpoints(n: usize) -> usize {
     }
 }
 
+/// The grid points of `p`'s gap up to `p`: those after the last checkpoint at or before it.
+/// Recorded up to where a chain ends or a message begins, so the grid of a gap is held as a
+/// prefix up to there and a later request's search finds that end (see [`believed_match`]).
+fn grid_to(p: usize) -> std::ops::Range<usize> {
+    let below = checkpoints(p + 1);
+    let start = below
+        .checked_sub(1)
+        .map_or(0, |c| checkpoint_on_grid(c) + 1);
+    start..grid_points(p + 1)
+}
+
+/// Grid points that are checkpoints at the first spacing (every grid point): the dense blocks
+/// and the first level.
+const FIRST_LEVEL_END: usize = DENSE_BLOCKS + CHECKPOINTS_PER_LEVEL;
+
+/// The grid point of the last checkpoint of level `level` (level 0: every grid point; level
+/// `j`: every `2^j`-th), so level `j` takes grid points `end(j − 1) + 2^j·(r + 1)`, `r` <
+/// [`CHECKPOINTS_PER_LEVEL`]. A chain's levels stay below 27 (a grid point of level `j` lies
+/// beyond block `2^(j+8)`), so the shifts fit a 32-bit `usize`.
+fn level_end(level: u32) -> usize {
+    FIRST_LEVEL_END - 1 + CHECKPOINTS_PER_LEVEL * ((2 << level) - 2)
+}
+
+/// The grid point of the `c`-th checkpoint (from 0).
+#[inline]
+fn checkpoint_on_grid(c: usize) -> usize {
+    if c < FIRST_LEVEL_END {
+        return c;
+    }
+    let beyond = c - FIRST_LEVEL_END;
+    let level = (beyond / CHECKPOINTS_PER_LEVEL) as u32 + 1;
+    level_end(level - 1) + ((beyond % CHECKPOINTS_PER_LEVEL + 1) << level)
+}
+
+/// The position of the `c`-th checkpoint.
+#[inline]
+fn checkpoint_position(c: usize) -> usize {
+    grid_point(checkpoint_on_grid(c))
+}
+
+/// How many checkpoints lie in a chain of `n` blocks: a count that grows with the logarithm of
+/// `n` beyond the first level (see [`CHECKPOINTS_PER_LEVEL`]).
+pub fn checkpoints(n: usize) -> usize {
+    let grid = grid_points(n);
+    let mut count = grid.min(FIRST_LEVEL_END);
+    // Each level with grid points beyond the one before: those up to the chain's last.
+    let mut level = 1;
+    while level_end(level - 1) + 1 < grid {
+        count += ((grid - 1 - level_end(level - 1)) >> level).min(CHECKPOINTS_PER_LEVEL);
+        level += 1;
+    }
+    count
+}
+
+/// The gap from the checkpoint at or before block `p` of a chain to the next, in blocks: a
+/// shared prefix whose last block is `p` is believed short of it by less (see
+/// [`record_positions`]).
+pub fn gap_blocks(p: usize) -> usize {
+    let c = checkpoints(p + 1);
+    let below = c
+        .checked_sub(1)
+        .map_or(0, |c| grid_point(checkpoint_on_grid(c)) + 1);
+    grid_point(checkpoint_on_grid(c)).saturating_sub(below) + 1
+}
+
 /// The believed match of a chain of `n` blocks on one endpoint, given which of its positions
 /// the endpoint is believed to hold, and the held positions looked at.
 ///
-/// The belief about one chain is prefix-closed by construction (a block hash names its whole
-/// prefix, and recording a chain records every checkpoint before its end), so a binary search
-/// over the checkpoints finds the last held one, `log2(checkpoints)` probes; then the
-/// positions up to the next checkpoint are tried from the furthest down, because a request
-/// that ended between two checkpoints recorded its last block there: the next turn of a
-/// conversation matches exactly where the previous one ended. At most
-/// `STRIDE_BLOCKS − 1` probes more.
+/// The belief about one chain is prefix-closed at its checkpoints by construction (a block
+/// hash names its whole prefix, and recording a chain records every checkpoint before its
+/// end), so a binary search over the checkpoints finds the last held one, `log2(checkpoints)`
+/// probes; then a binary search over the grid points up to the next checkpoint (recorded up to
+/// where a request ended or left its match), `log2(gap / 16)` probes; then the positions up to
+/// the next grid point are tried from the furthest down, because a request that ended between
+/// two grid points recorded its last block there: the next turn of a conversation matches
+/// exactly where the previous one ended. At most `STRIDE_BLOCKS − 1` probes more.
 ///
 /// Near the capacity's edge the belief can have holes (a block aged out while later ones of
 /// its chain stayed); then [`Search::Walk`] stops at the first, where the binary search may
-/// jump over it and believe more.
+/// jump over it and believe more. Whatever it finds is held with its whole prefix, so the
+/// answer never exceeds what the endpoint is believed to hold.
 pub fn believed_match(
     n: usize,
     search: Search,
     mut holds: impl FnMut(usize) -> bool,
 ) -> (usize, Vec<usize>) {
     let mut probed = Vec::new();
-    let k = checkpoints(n);
-    // `lo`: checkpoints known held (a count); `hi`: index of the first known not held.
-    let (mut lo, mut hi) = (0, k);
-    if search == Search::Walk {
-        while lo < k && holds(checkpoint(lo)) {
-            probed.push(checkpoint(lo));
-            lo += 1;
-        }
-        hi = lo;
-    } else if k > 0 && holds(checkpoint(0)) {
-        probed.push(checkpoint(0));
-        lo = 1;
-        if holds(checkpoint(k - 1)) {
-            probed.push(checkpoint(k - 1));
-            lo = k;
-        } else {
-            hi = k - 1;
-        }
-        while hi - lo > 0 {
-            let mid = lo + (hi - lo) / 2;
-            if holds(checkpoint(mid)) {
-                probed.push(checkpoint(mid));
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-    } else if k > 0 {
-        hi = 0;
-    }
-    let held_to = if lo == 0 { 0 } else { checkpoint(lo - 1) + 1 };
-    let next = if hi < k { checkpoint(hi) } else { n };
-    for p in (held_to..next).rev() {
-        if holds(p) {
+    let probe = &mut |p: usize| {
+        let held = holds(p);
+        if held {
             probed.push(p);
+        }
+        held
+    };
+    let k = checkpoints(n);
+    let grid_n = grid_points(n);
+    let c = held_run(0..k, search, false, probe);
+    if c == 0 {
+        // Not even the first block (most endpoints, for most requests).
+        return (0, probed);
+    }
+    // Every checkpoint held and the last block too: the whole chain (an exact repeat). Not
+    // held: the positions below are tried from the one before it.
+    let mut top = n;
+    if c == k && n > 0 {
+        if probe(n - 1) {
+            return (n, probed);
+        }
+        top = n - 1;
+    }
+    // The grid between the last held checkpoint and the first not held (or the end).
+    let gap = checkpoint_on_grid(c - 1) + 1..if c < k { checkpoint_on_grid(c) } else { grid_n };
+    // Its last grid point first: a checkpoint before it is held, so most often the prefix
+    // runs on through the gap (a warm long prompt), one probe.
+    let g = if search == Search::Binary && !gap.is_empty() && probe(grid_point(gap.end - 1)) {
+        gap.end
+    } else {
+        let last = if search == Search::Binary {
+            gap.end.saturating_sub(1)
+        } else {
+            gap.end
+        };
+        held_run(gap.start..last.max(gap.start), search, true, probe)
+    };
+    let held_to = if g == 0 { 0 } else { grid_point(g - 1) + 1 };
+    let next = if g < grid_n { grid_point(g) } else { top };
+    for p in (held_to..next).rev() {
+        if probe(p) {
             return (p + 1, probed);
         }
     }
     (held_to, probed)
+}
+
+/// Where a run of candidates `range` (believed held as a prefix of it) stops being held: the
+/// first index not held, or `range.end`. The candidates are grid points (`on_grid`) or
+/// checkpoints.
+fn held_run(
+    range: std::ops::Range<usize>,
+    search: Search,
+    on_grid: bool,
+    probe: &mut impl FnMut(usize) -> bool,
+) -> usize {
+    let (start, end) = (range.start, range.end);
+    let mut holds = |i: usize| probe(grid_point(if on_grid { i } else { checkpoint_on_grid(i) }));
+    if search == Search::Walk {
+        let mut i = start;
+        while i < end && holds(i) {
+            i += 1;
+        }
+        return i;
+    }
+    if start == end || !holds(start) {
+        return start;
+    }
+    // The whole run held is the common case (an exact repeat, the next turn).
+    if end - start == 1 || holds(end - 1) {
+        return end;
+    }
+    let (mut lo, mut hi) = (start + 1, end - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// How [`believed_match`] looks at the checkpoints.
@@ -460,8 +611,8 @@ mod tests {
 
     #[test]
     fn recorded_positions_cover_the_chain_and_are_bounded() {
-        for n in 0..300 {
-            for from in [0, 7, 40, 130] {
+        for n in (0..300).chain((300..3000).step_by(37)) {
+            for from in [0, 7, 40, 130, 700] {
                 let positions = record_positions(n, &[], from);
                 let new = n - from.min(n);
                 assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), new);
@@ -471,7 +622,11 @@ mod tests {
             assert_eq!(positions.iter().map(|&(_, w)| w).sum::<usize>(), n, "n={n}");
             assert!(positions.windows(2).all(|w| w[0].0 < w[1].0), "n={n}");
             assert_eq!(positions.last().map(|&(p, _)| p), n.checked_sub(1), "n={n}");
-            assert!(positions.len() <= DENSE_BLOCKS.min(n) + n / STRIDE_BLOCKS + 1);
+            // The checkpoints, the grid of the end's gap, the end.
+            let end_gap = n
+                .checked_sub(1)
+                .map_or(0, |p| gap_blocks(p) / STRIDE_BLOCKS);
+            assert!(positions.len() <= checkpoints(n) + end_gap + 1, "n={n}");
             // Each weight is the distance from the previous recorded position.
             let mut prev = None;
             for &(p, w) in &positions {
@@ -479,9 +634,25 @@ mod tests {
                 prev = Some(p);
             }
         }
-        // A cold chain: the 4 dense blocks, every 16th after them (19, 35, …, 1011) and the end.
-        assert_eq!(record_positions(1024, &[], 0).len(), 4 + 63 + 1);
-        assert_eq!(record_positions(1030, &[], 0).len(), 4 + 64 + 1);
+        // Up to 260 blocks every grid point is a checkpoint: a fixed stride of 16.
+        for n in 0..=260 {
+            let fixed = DENSE_BLOCKS.min(n) + n.saturating_sub(DENSE_BLOCKS) / STRIDE_BLOCKS;
+            assert_eq!(checkpoints(n), fixed, "n={n}");
+        }
+        // Beyond, the gaps double every 16 checkpoints: the count grows with the logarithm.
+        assert_eq!(
+            [2, 100, 259, 260, 300, 771, 772, 1000, 1795, 1796].map(gap_blocks),
+            [1, 16, 32, 32, 32, 64, 64, 64, 128, 128]
+        );
+        assert_eq!(checkpoints(1024), 20 + 16 + 3);
+        assert_eq!(checkpoints(8192), 20 + 16 * 4);
+        assert!(checkpoints(1 << 20) < 200);
+        // A cold 16k-token chain: 39 checkpoints (the last 963), the end's gap's grid (979,
+        // 995, 1011) and the end.
+        let cold = record_positions(1024, &[], 0);
+        assert_eq!(cold.len(), 39 + 3 + 1);
+        let tail: Vec<usize> = cold[cold.len() - 5..].iter().map(|&(p, _)| p).collect();
+        assert_eq!(tail, [963, 979, 995, 1011, 1023]);
         assert_eq!(
             record_positions(40, &[], 0),
             [(0, 1), (1, 1), (2, 1), (3, 1), (19, 16), (35, 16), (39, 4)]
@@ -491,13 +662,24 @@ mod tests {
             record_positions(40, &[21, 40, 99, 0], 0)[4..],
             [(19, 16), (20, 1), (35, 15), (39, 4)]
         );
+        // ...and, in a wider gap, the grid up to it: a message beginning at block 1,000 of a
+        // 2,000-block chain records 979 and 995 (between checkpoints 963 and 1027), then 999.
+        let marked = record_positions(2000, &[1000], 0);
+        let at = |p: usize| marked.iter().any(|&(q, _)| q == p);
+        assert!(at(963) && at(979) && at(995) && at(999) && at(1027));
+        assert!(!at(1011) && !at(1043));
         // Leaving a believed match at 50: the 16 blocks from there are recorded densely.
         let left = record_positions(100, &[], 50);
         assert!((50..66).all(|p| left.iter().any(|&(q, w)| q == p && w == 1)));
-        // Back to checkpoint 47, refreshed only.
+        // Back to grid point 47, refreshed only.
         assert!(left.iter().any(|&(q, w)| q == 48 && w == 0));
         assert!(!left.iter().any(|&(q, _)| q == 66));
         assert_eq!(left.iter().map(|&(_, w)| w).sum::<usize>(), 50);
+        // Leaving it at 900 (between checkpoints 899 and 963): the grid to 963 as well.
+        let deep = record_positions(2000, &[], 900);
+        assert!([915, 931, 947]
+            .iter()
+            .all(|&p| deep.iter().any(|&(q, _)| q == p)));
         // A chain believed whole (an exact repeat) records its positions again, counting none.
         assert_eq!(
             record_positions(10, &[], 50),
@@ -509,14 +691,15 @@ mod tests {
         /// The belief holds a recorded chain of `len` blocks; a request shares its first
         /// `shared` blocks (and may be longer). Its believed match is the furthest recorded
         /// shared position, found by the search with few probes, and falls short of the true
-        /// shared prefix by less than a stride, not at all within the dense head or when the
-        /// request extends the recorded chain.
+        /// shared prefix by less than the gap between the checkpoints there, not at all within
+        /// the dense head, when the request extends the recorded chain or when the shared
+        /// prefix ends at one of its message boundaries.
         #[test]
         fn the_believed_match_is_the_furthest_recorded_shared_block(
-            len in 1usize..400,
-            shared in 0usize..400,
+            len in 1usize..3000,
+            shared in 0usize..3000,
             extra in 0usize..40,
-            mark in 0usize..400,
+            mark in 0usize..3000,
         ) {
             let shared = shared.min(len);
             let n = shared + extra;
@@ -529,12 +712,46 @@ mod tests {
             proptest::prop_assert_eq!(walked, found, "prefix-closed: both searches agree");
             let expected = (0..shared).rev().find(|&p| recorded.contains(&p)).map_or(0, |p| p + 1);
             proptest::prop_assert_eq!(found, expected);
-            proptest::prop_assert!(found <= shared && shared - found < STRIDE_BLOCKS);
+            proptest::prop_assert!(found <= shared);
+            if shared > 0 {
+                proptest::prop_assert!(shared - found < gap_blocks(shared - 1));
+            }
             if shared <= DENSE_BLOCKS || shared == len || shared == mark {
                 proptest::prop_assert_eq!(found, shared);
             }
             proptest::prop_assert!(probed.iter().all(|&p| holds(p)));
-            proptest::prop_assert!(probes <= 2 + 10 + STRIDE_BLOCKS, "{} probes", probes);
+            // Binary searches over ≤ 62 checkpoints (first, last, 6), the chain's last block,
+            // ≤ 8 grid points (last, first, 3), then one stride.
+            proptest::prop_assert!(probes <= 8 + 1 + 5 + STRIDE_BLOCKS, "{} probes", probes);
+        }
+
+        /// A prefix shared inside a message, deep in a long chain, is found short once: the
+        /// request that fell short records its gap's grid and the blocks after its match, so
+        /// the next request sharing as much is believed to within a stride of it.
+        #[test]
+        fn a_prefix_found_short_is_found_within_a_stride_the_next_time(
+            len in 1usize..3000,
+            shared in 0usize..3000,
+            own in 1usize..40,
+        ) {
+            let shared = shared.min(len);
+            let first: std::collections::BTreeSet<usize> =
+                record_positions(len, &[], 0).iter().map(|&(p, _)| p).collect();
+            let (short, _) =
+                believed_match(shared + own, Search::Binary, |p| p < shared && first.contains(&p));
+            // What the short request writes: the positions from its match on (before it, the
+            // store only refreshes what it holds).
+            let second: std::collections::BTreeSet<usize> = record_positions(shared + own, &[], short)
+                .iter()
+                .filter(|&&(p, _)| p >= short)
+                .map(|&(p, _)| p)
+                .collect();
+            let holds = |p: usize| p < shared && (first.contains(&p) || second.contains(&p));
+            let (found, _) = believed_match(shared + own, Search::Binary, holds);
+            let (walked, _) = believed_match(shared + own, Search::Walk, holds);
+            proptest::prop_assert_eq!(walked, found);
+            proptest::prop_assert!(found <= shared && shared - found < STRIDE_BLOCKS,
+                "shared {} found {} (short {})", shared, found, short);
         }
     }
 

@@ -5,8 +5,9 @@
 //! of its .wasm. Here the stable sorts sort `(key, index)` pairs with `sort_unstable`, one copy
 //! shared with the plugin's endpoint table, and the index breaks ties, so the result is exactly
 //! the stable sort by `key` (a property test below). Measured with the host-tests table: the
-//! .wasm 480,836 -> 450,427 bytes, request costs within 1%. (The index's checkpoint positions
-//! keep their own `sort_unstable` of `usize`: through pairs it cost +2% on a warm 16k prompt.)
+//! .wasm 480,836 -> 450,427 bytes, request costs within 1%. (The index's recorded positions
+//! are not sorted at all: through pairs it cost +2% on a warm 16k prompt, and their own sort of
+//! `usize` was another 3 KB; they are collected in a bitset, see `index::record_positions`.)
 
 /// Sorts `items` by `key`, stably: equal keys keep their order.
 pub fn sort_by_u64_key<T: Copy>(items: &mut [T], key: impl Fn(&T) -> u64) {

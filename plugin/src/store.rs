@@ -12,12 +12,14 @@
 //!   stamps of `e` are its LRU set, and eviction is implicit: nothing is deleted, old stamps
 //!   just age out. `forget_endpoint` advances the clock by `capacity`, ageing out everything
 //!   with one write.
-//! * Not every block of a chain is written: core's [`record_positions`] picks the first 4,
-//!   one in 16 after, the last block before each message boundary, the 16 after the believed
-//!   match (when there is one) and the last, each reserving its weight of stamps (the blocks it
-//!   stands for), so a cold 16k-token prompt costs ~73 bucket writes, not ~1,000, and a cold
-//!   1k-token one 14; lookups are core's
-//!   [`believed_match`] over the same positions (a binary search over the checkpoints).
+//! * Not every block of a chain is written: core's [`record_positions`] picks its checkpoints
+//!   (the first 4, then one in 16, one in 32 beyond block 259, one in 64 beyond 771, …), the
+//!   last block before each message boundary and the last, with the one-in-16 grid of their
+//!   gaps up to them, and the 16 after the believed match (when there is one), each reserving
+//!   its weight of stamps (the blocks it stands for), so a cold 16k-token prompt costs ~47
+//!   bucket writes, not ~1,000, and a cold 1k-token one 14; lookups are core's
+//!   [`believed_match`] over the same positions (binary searches over the checkpoints and a
+//!   gap's grid).
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
 //!   recorded positions, each standing for the blocks since the one before, and leaves a dead
@@ -887,13 +889,17 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
         let mut stale: Vec<(usize, u64)> = Vec::new();
         if refresh_prefix {
+            // In order, without a sort (the plugin's .wasm carries one, of pairs, see
+            // core's `order`): the positions come sorted, the few probes are put in place.
             let mut recorded: Vec<usize> = record_positions(matched, marks, 0)
                 .into_iter()
                 .map(|(i, _)| i)
-                .chain(probes.iter().copied().filter(|&i| i < matched))
                 .collect();
-            recorded.sort_unstable();
-            recorded.dedup();
+            for &i in probes.iter().filter(|&&i| i < matched) {
+                if let Err(at) = recorded.binary_search(&i) {
+                    recorded.insert(at, i);
+                }
+            }
             let mut next = 0;
             stale.extend(recorded.into_iter().filter_map(|i| {
                 let span = (i + 1 - next) as u64;
@@ -1026,7 +1032,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 mod tests {
     use super::*;
     use crate::shared::{bucket_key, MemShared};
-    use prefixroute_core::index::{DENSE_BLOCKS, STRIDE_BLOCKS};
+    use prefixroute_core::index::{checkpoints, gap_blocks, STRIDE_BLOCKS};
     use prefixroute_core::PrefixIndex;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
@@ -1268,8 +1274,11 @@ mod tests {
         s.mark_end(0, chain[1023]);
         s.end_request();
         let (_, after) = host.calls();
-        // 4 dense blocks + 63 checkpoints (19, 35, …, 1011) + the end + the endpoint's clock.
-        let bound = (DENSE_BLOCKS + (1024 - DENSE_BLOCKS) / STRIDE_BLOCKS + 2) as u64;
+        // 39 checkpoints (0–3, 19, 35, …, 259, then 291, …, 771 every 32, then 835, 899,
+        // 963), the grid of the end's gap (979, 995, 1011), the end and the endpoint's clock:
+        // 44 writes at most, where a fixed stride of 16 wrote 69.
+        let bound = (checkpoints(1024) + gap_blocks(1023) / STRIDE_BLOCKS + 2) as u64;
+        assert!(bound <= 45);
         assert!(after - before <= bound, "{} sets > {bound}", after - before);
         assert!(after - before < 1024 / 10);
         // The belief still matches it whole, and counts every block against the capacity.
@@ -1278,10 +1287,11 @@ mod tests {
         assert!(s.continues(0, &chain, 1024));
         assert_eq!(s.room(0).believed_blocks, 1024);
         // A prompt sharing 510 blocks of it is believed to share them up to the last
-        // checkpoint before, 499.
+        // checkpoint before, 483 (the checkpoints are 32 blocks apart there).
         let mut other = chain[..510].to_vec();
         other.extend((0..20u64).map(|k| k ^ 0x5555));
-        assert_eq!(s.longest_match(0, &other), 500);
+        assert_eq!(s.longest_match(0, &other), 484);
+        assert!(510 - 484 < gap_blocks(509));
         s.end_request();
     }
 

@@ -189,7 +189,8 @@ fn a_system_prompt_met_again_is_hashed_from_memory_and_matches_as_core_says() {
         assert_eq!(host.stats().value("prefixroute.hash_memo.hits"), hits);
     }
     // Hashed from memory, the third request has the blocks core hashes: it matches the
-    // second up to where they part (the first 4 blocks and one in 16 after are recorded, and the 16 after a match).
+    // second up to where they part (its checkpoints are recorded, the grid where it ends, and
+    // the 16 after a match).
     let shared = hashes[1].chains[0]
         .iter()
         .zip(&hashes[2].chains[0])
