@@ -1,10 +1,13 @@
 //! Prints the heap bytes the prefix index spends per (block, endpoint) entry, measured with a
-//! counting allocator. Run: `cargo run --release -p prefixroute-core --example index_memory`.
+//! counting allocator, and how many positions a cold chain records (one shared-data write each
+//! in the plugin). Run: `cargo run --release -p prefixroute-core --example index_memory`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use prefixroute_core::index::{PrefixIndex, PrefixStore};
+use prefixroute_core::index::{
+    record_positions, PrefixIndex, PrefixStore, DENSE_BLOCKS, STRIDE_BLOCKS,
+};
 
 struct Counting;
 
@@ -54,7 +57,24 @@ fn fill(chain_blocks: usize) {
     );
 }
 
+/// Positions a cold chain of `tokens` records, against a fixed stride of [`STRIDE_BLOCKS`]
+/// beyond the first [`DENSE_BLOCKS`] (what the index recorded before its gaps grew with depth).
+fn recorded(tokens: usize) {
+    let n = tokens / 16;
+    let now = record_positions(n, &[], 0).len();
+    let fixed_stride = DENSE_BLOCKS.min(n)
+        + n.saturating_sub(DENSE_BLOCKS) / STRIDE_BLOCKS
+        + usize::from(n > DENSE_BLOCKS && !(n - DENSE_BLOCKS).is_multiple_of(STRIDE_BLOCKS));
+    println!(
+        "a cold chain of {tokens} tokens ({n} blocks) records {now} positions \
+         ({fixed_stride} with a fixed stride of {STRIDE_BLOCKS})"
+    );
+}
+
 fn main() {
+    for tokens in [1_024, 4_096, 16_384, 32_768, 131_072, 1_048_576] {
+        recorded(tokens);
+    }
     // Short chains record most of their blocks (the worst case per believed block); long ones
     // their checkpoints (one in 16 beyond their first 4 blocks, sparser beyond block 259).
     fill(16);

@@ -1196,6 +1196,61 @@ mod tests {
     }
 
     #[test]
+    fn long_chains_are_believed_as_core_believes_them_and_message_boundaries_exactly() {
+        let host = MemShared::new();
+        let mut shared = SharedIndex::new(host, &addrs(2), 31_250);
+        let mut core = PrefixIndex::new(2, 31_250);
+        // A 2,000-block prompt (32k tokens) whose messages begin at blocks 300, 1,000 and
+        // 1,500: all three lie inside gaps of 32 or 64 blocks between checkpoints.
+        let base: Vec<u64> = (1..=2000u64)
+            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        let marks = [300, 1000, 1500];
+        let with_tail = |shared_blocks: usize, seed: u64| -> Vec<u64> {
+            let mut chain = base[..shared_blocks].to_vec();
+            chain.extend((0..20u64).map(|k| (k + 1) * 0x5555 + seed));
+            chain
+        };
+        shared.begin_request();
+        shared.record_marked(0, &base, &marks);
+        shared.end_request();
+        core.record_marked(0, &base, &marks);
+        shared.begin_request();
+        for k in [3, 5, 259, 300, 640, 1000, 1333, 1500, 1990, 2000] {
+            let probe = with_tail(k, 1);
+            let believed = shared.longest_match(0, &probe);
+            assert_eq!(believed, core.longest_match(0, &probe), "sharing {k}");
+            assert!(
+                believed <= k && k - believed < gap_blocks(k - 1),
+                "sharing {k}"
+            );
+            if marks.contains(&k) || k == 2000 || k <= 4 {
+                assert_eq!(
+                    believed, k,
+                    "a message boundary or the end is found exactly"
+                );
+            }
+        }
+        shared.end_request();
+        // Sharing 1,333 blocks (inside a message, in a gap of 64) is believed short, at the
+        // checkpoint before; the request that fell short records its gap's grid, so the next
+        // one sharing as much is believed to within 16 blocks.
+        let short = with_tail(1333, 1);
+        shared.begin_request();
+        let first = shared.longest_match(0, &short);
+        assert!(first < 1333 - 16, "{first}");
+        shared.record(0, &short);
+        shared.end_request();
+        core.record(0, &short);
+        let again = with_tail(1333, 2);
+        shared.begin_request();
+        let second = shared.longest_match(0, &again);
+        assert_eq!(second, core.longest_match(0, &again));
+        assert!(second <= 1333 && 1333 - second < STRIDE_BLOCKS, "{second}");
+        shared.end_request();
+    }
+
+    #[test]
     fn a_reported_capacity_narrows_one_endpoints_window() {
         let host = MemShared::new();
         let mut s = SharedIndex::new(host, &addrs(2), 100);
