@@ -592,9 +592,10 @@ impl<S: PrefixStore> Router<S> {
         &self.live
     }
 
-    /// Replaces the live-group counts, e.g. with the sum a proxy's workers share.
-    pub fn set_live_groups(&mut self, live: LiveGroups) {
-        self.live = live;
+    /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
+    /// the router's own, which keeps its room: a proxy does this on every route).
+    pub fn set_live_groups(&mut self, live: &LiveGroups) {
+        self.live.count.clone_from(&live.count);
     }
 
     /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =

@@ -92,6 +92,8 @@ pub struct Ledger {
     encoded: Vec<u8>,
     /// A peer's learned model as its record tells it, rebuilt in place for each peer read.
     peer_model: LearnedModel,
+    /// What [`Ledger::totals`] answers, rebuilt in place on every route.
+    pooled: Pooled,
 }
 
 impl Ledger {
@@ -109,6 +111,7 @@ impl Ledger {
             record: InstanceRecord::default(),
             encoded: Vec::new(),
             peer_model: LearnedModel::new(0),
+            pooled: Pooled::default(),
         }
     }
 
@@ -243,16 +246,18 @@ impl Ledger {
     }
 
     /// Every live instance's account added up: ours from memory, the others' from their
-    /// records (one `get` per peer).
-    pub fn totals(&mut self, host: &impl SharedData, now_ms: u64) -> Pooled {
+    /// records (one `get` per peer). Rebuilt in the ledger's own buffers (`clone_from` keeps
+    /// their room): a route asks for it once, and four fresh vectors per request showed.
+    pub fn totals(&mut self, host: &impl SharedData, now_ms: u64) -> &Pooled {
         let n = self.ids.len();
-        let mut pooled = Pooled {
-            work: self.own.work.clone(),
-            sent: self.own.sent.clone(),
-            learned: self.own.learned.clone(),
-            growth: self.growth,
-            live: self.live.clone(),
-        };
+        let mut pooled = std::mem::take(&mut self.pooled);
+        pooled.work.clone_from(&self.own.work);
+        pooled.sent.clone_from(&self.own.sent);
+        pooled.learned.rates.clone_from(&self.own.learned.rates);
+        pooled.learned.lanes = self.own.learned.lanes;
+        pooled.learned.hold = self.own.learned.hold;
+        pooled.growth = self.growth;
+        pooled.live.count.clone_from(&self.live.count);
         for peer in &self.peers {
             let record = match host.get(self.keys.get(peer.slot)) {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
@@ -281,7 +286,8 @@ impl Ledger {
             pooled.learned.add(theirs);
             pooled.add_growth(&record.growth);
         }
-        pooled
+        self.pooled = pooled;
+        &self.pooled
     }
     fn is_stale(&self, heartbeat_ms: u64, now_ms: u64) -> bool {
         now_ms.saturating_sub(heartbeat_ms) > self.stale_ms

@@ -335,12 +335,13 @@ impl<H: SharedData> Scheduler<H> {
     /// worker's requests on it, its learned prefill model, and (bounding its believed cache)
     /// its reported capacity; the fleet's learned lanes and group growth, and where groups live.
     fn loads(&mut self, now_ms: u64) -> Vec<EndpointLoad> {
+        let endpoints = self.endpoints();
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
         let learned = pooled.learned.estimate(&self.config.latency);
         self.router.set_growth(pooled.growth);
-        self.router.set_live_groups(pooled.live);
+        self.router.set_live_groups(&pooled.live);
         let stale_after = self.config.scrape.stale_after_ms;
-        (0..self.endpoints())
+        (0..endpoints)
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
                 let (capacity, mut load) = self.router.store().with_endpoint_state(e, |state| {
@@ -531,8 +532,11 @@ impl<H: SharedData> Scheduler<H> {
             .retain(|(_, p)| now_ms.saturating_sub(p.sent_ms) <= expiry);
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
         let rates = pooled.learned.estimate(&self.config.latency).ms_per_token;
+        // A copy: the loop below reads and claims through `self` (once per tick, not per
+        // request).
+        let works = pooled.work.clone();
         let mut due = Vec::new();
-        for (e, work) in pooled.work.iter().enumerate() {
+        for (e, work) in works.iter().enumerate() {
             let key = &self.keys[e];
             let id = self.ledger.id_of(e);
             let awaiting = self.pending.iter().any(|(_, p)| Some(p.endpoint_id) == id);
