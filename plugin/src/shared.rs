@@ -47,35 +47,56 @@ pub fn bucket_key(bits: u32, bucket: u64) -> String {
 #[derive(Debug, Clone)]
 pub struct BucketKeys {
     prefix: String,
+    /// The last key [`BucketKeys::with_key`] built: the prefix stays, the digits change.
+    kept: std::cell::RefCell<String>,
 }
 
 impl BucketKeys {
     pub fn new(bits: u32) -> Self {
+        let prefix = format!("prefixroute/ix/{bits}/");
         BucketKeys {
-            prefix: format!("prefixroute/ix/{bits}/"),
+            kept: std::cell::RefCell::new(prefix.clone()),
+            prefix,
         }
+    }
+
+    /// Calls `f` with [`BucketKeys::key`] built in a kept buffer: a warm request reads a few
+    /// buckets, and a new string for each key was one allocation per read. Re-entered (from
+    /// inside `f`), it builds the key afresh.
+    pub fn with_key<R>(&self, bucket: u64, f: impl FnOnce(&str) -> R) -> R {
+        let Ok(mut kept) = self.kept.try_borrow_mut() else {
+            return f(&self.key(bucket));
+        };
+        kept.truncate(self.prefix.len());
+        push_hex(&mut kept, bucket);
+        f(&kept)
     }
 
     /// `prefixroute/ix/<bits>/<bucket in lowercase hex>`, as [`bucket_key`].
     pub fn key(&self, bucket: u64) -> String {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut digits = [0u8; 16];
-        let mut n = bucket;
-        let mut i = digits.len();
-        loop {
-            i -= 1;
-            digits[i] = HEX[(n & 0xf) as usize];
-            n >>= 4;
-            if n == 0 {
-                break;
-            }
-        }
-        let mut key = String::with_capacity(self.prefix.len() + digits.len() - i);
+        let mut key = String::with_capacity(self.prefix.len() + 16);
         key.push_str(&self.prefix);
-        // Hex digits are ASCII, so this never falls back to the empty string.
-        key.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
+        push_hex(&mut key, bucket);
         key
     }
+}
+
+/// Appends `n` in lowercase hex without leading zeros (`0` for zero).
+fn push_hex(out: &mut String, n: u64) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut digits = [0u8; 16];
+    let mut n = n;
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = HEX[(n & 0xf) as usize];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    // Hex digits are ASCII, so this never falls back to the empty string.
+    out.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
 }
 
 /// Key of an endpoint's [`crate::codec::CalibrationRecord`].
@@ -465,6 +486,15 @@ mod tests {
             assert_eq!(keys.key(bucket), format!("prefixroute/ix/12/{bucket:x}"));
         }
         assert_eq!(bucket_key(18, 0xab), "prefixroute/ix/18/ab");
+        // The kept buffer gives the same keys, a long one after a short one and back, and
+        // re-entered it builds a fresh one.
+        for bucket in [u64::MAX, 0, 0x3_0f0f, 7] {
+            keys.with_key(bucket, |key| assert_eq!(key, keys.key(bucket)));
+        }
+        keys.with_key(1, |outer| {
+            keys.with_key(0xbeef, |inner| assert_eq!(inner, "prefixroute/ix/12/beef"));
+            assert_eq!(outer, "prefixroute/ix/12/1");
+        });
     }
 
     #[test]

@@ -635,8 +635,10 @@ impl<H: SharedData> SharedIndex<H> {
     /// Reads a bucket from shared data into the request cache (replacing what was cached),
     /// without copying it: the hot read path only looks into the cached copy.
     fn fetch_bucket(&self, bucket: u64) -> Result<(), u32> {
-        let key = self.keys.key(bucket);
-        let slot = Slot::from(read_or_default(&self.host, &key, Bucket::decode)?);
+        let read = self.keys.with_key(bucket, |key| {
+            read_or_default(&self.host, key, Bucket::decode)
+        });
+        let slot = Slot::from(read?);
         self.cache.borrow_mut().buckets.insert(bucket, slot);
         Ok(())
     }
