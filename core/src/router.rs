@@ -245,10 +245,23 @@ pub fn eligibility(
 /// What the index believes of each endpoint for one request (see [`Router::believed_matches`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Matches {
-    /// Per endpoint, the believed-held blocks of each of the request's chains.
-    pub blocks: Vec<Vec<usize>>,
+    /// The believed-held blocks of each of the request's chains, endpoint after endpoint (see
+    /// [`Matches::of`]): one vector per request, not one per endpoint.
+    blocks: Vec<usize>,
+    chains: usize,
     /// Per endpoint, the request continues an earlier request there.
     pub continues: Vec<bool>,
+}
+
+impl Matches {
+    /// The believed-held blocks of each of the request's chains on `endpoint` (empty for an
+    /// endpoint it does not know).
+    pub fn of(&self, endpoint: usize) -> &[usize] {
+        let start = endpoint.saturating_mul(self.chains);
+        self.blocks
+            .get(start..start.saturating_add(self.chains))
+            .unwrap_or_default()
+    }
 }
 
 /// Why [`Router::pick`] could not choose.
@@ -359,15 +372,23 @@ impl<S: PrefixStore> Router<S> {
         if n == 0 {
             return Err(PickError::NoEndpoints);
         }
-        let loads: Vec<EndpointLoad> = (0..n)
-            .map(|i| loads.get(i).copied().unwrap_or_default())
-            .collect();
+        // One load per endpoint: a caller's slice as it is when it has one (a proxy's does, on
+        // every request), else padded with idle loads.
+        let padded: Vec<EndpointLoad>;
+        let loads = if loads.len() == n {
+            loads
+        } else {
+            padded = (0..n)
+                .map(|i| loads.get(i).copied().unwrap_or_default())
+                .collect();
+            &padded
+        };
         let policy = self.config.policy;
-        let filter = eligibility(policy, &loads, self.config.saturation);
+        let filter = eligibility(policy, loads, self.config.saturation);
         let matches = self.believed_matches(hashes);
-        let cold = !(0..n).any(|e| filter.eligible[e] && matches.blocks[e].iter().any(|&b| b > 0));
+        let cold = !(0..n).any(|e| filter.eligible[e] && matches.of(e).iter().any(|&b| b > 0));
         let continuation = (0..n).any(|e| filter.eligible[e] && matches.continues[e]);
-        let scores = self.score(hashes, &matches, &loads, &filter, cold);
+        let scores = self.score(hashes, &matches, loads, &filter, cold);
         self.tie_key = hashes.chains.iter().find_map(|c| c.first().copied());
         let (endpoint, tie) = self.choose(&scores, &filter.eligible);
         self.tie_key = None;
@@ -403,21 +424,34 @@ impl<S: PrefixStore> Router<S> {
     /// holds, and whether the request continues an earlier one there (see
     /// [`PrefixStore::continues`]).
     pub fn believed_matches(&self, hashes: &BlockHashes) -> Matches {
-        let blocks: Vec<Vec<usize>> = (0..self.endpoints)
-            .map(|e| self.matched_per_chain(e, hashes))
-            .collect();
-        let continues = blocks
-            .iter()
-            .enumerate()
-            .map(|(e, matched)| {
+        let chains = hashes.chains.len();
+        let mut blocks = Vec::with_capacity(self.endpoints * chains);
+        for e in 0..self.endpoints {
+            blocks.extend(
                 hashes
                     .chains
                     .iter()
-                    .zip(matched)
+                    .map(|chain| self.store.longest_match(e, chain)),
+            );
+        }
+        let matches = Matches {
+            blocks,
+            chains,
+            continues: Vec::new(),
+        };
+        let continues = (0..self.endpoints)
+            .map(|e| {
+                hashes
+                    .chains
+                    .iter()
+                    .zip(matches.of(e))
                     .any(|(chain, &m)| self.store.continues(e, chain, m))
             })
             .collect();
-        Matches { blocks, continues }
+        Matches {
+            continues,
+            ..matches
+        }
     }
 
     /// The picker: the next endpoint in rotation, a random one, or the best score (see
@@ -451,7 +485,7 @@ impl<S: PrefixStore> Router<S> {
         let live_group_blocks = self.growth.live_group_blocks();
         (0..loads.len())
             .map(|i| {
-                let matched_blocks: usize = matches.blocks[i].iter().sum();
+                let matched_blocks: usize = matches.of(i).iter().sum();
                 let matched_tokens = (matched_blocks * block_size).min(total_tokens);
                 let prefix = prefix_score(
                     matched_blocks,
@@ -463,7 +497,7 @@ impl<S: PrefixStore> Router<S> {
                 let prediction = (self.config.policy == Policy::Latency).then(|| {
                     predict(
                         hashes,
-                        &matches.blocks[i],
+                        matches.of(i),
                         room,
                         Footprint {
                             continues: matches.continues[i],
@@ -1051,8 +1085,9 @@ mod tests {
         let next = hashes("aa bb cc dd ee ff");
         let m = r.believed_matches(&next);
         let other = 1 - d.endpoint;
-        assert_eq!(m.blocks[d.endpoint], [2], "two full blocks of two tokens");
-        assert_eq!(m.blocks[other], [0]);
+        assert_eq!(m.of(d.endpoint), [2], "two full blocks of two tokens");
+        assert_eq!(m.of(other), [0]);
+        assert_eq!(m.of(7), [0; 0], "an endpoint it does not know");
         assert!(
             m.continues[d.endpoint],
             "the next turn continues where the first ended"
