@@ -242,29 +242,47 @@ pub fn gap_blocks(p: usize) -> usize {
 pub fn believed_match(
     n: usize,
     search: Search,
-    mut holds: impl FnMut(usize) -> bool,
+    holds: impl FnMut(usize) -> bool,
 ) -> (usize, Vec<usize>) {
     let mut probed = Vec::new();
+    let matched = believed_match_with(n, search, holds, &mut |p| probed.push(p));
+    (matched, probed)
+}
+
+/// [`believed_match`] without the list of held positions (a lookup that only needs the
+/// length allocates nothing).
+pub fn believed_length(n: usize, search: Search, holds: impl FnMut(usize) -> bool) -> usize {
+    believed_match_with(n, search, holds, &mut |_| {})
+}
+
+/// [`believed_match`], telling `held` each held position the search looked at (through
+/// `dyn`: one copy of the search per store, whichever list it keeps).
+fn believed_match_with(
+    n: usize,
+    search: Search,
+    mut holds: impl FnMut(usize) -> bool,
+    held: &mut dyn FnMut(usize),
+) -> usize {
     let probe = &mut |p: usize| {
-        let held = holds(p);
-        if held {
-            probed.push(p);
+        let is_held = holds(p);
+        if is_held {
+            held(p);
         }
-        held
+        is_held
     };
     let k = checkpoints(n);
     let grid_n = grid_points(n);
     let c = held_run(0..k, search, false, probe);
     if c == 0 {
         // Not even the first block (most endpoints, for most requests).
-        return (0, probed);
+        return 0;
     }
     // Every checkpoint held and the last block too: the whole chain (an exact repeat). Not
     // held: the positions below are tried from the one before it.
     let mut top = n;
     if c == k && n > 0 {
         if probe(n - 1) {
-            return (n, probed);
+            return n;
         }
         top = n - 1;
     }
@@ -286,10 +304,10 @@ pub fn believed_match(
     let next = if g < grid_n { grid_point(g) } else { top };
     for p in (held_to..next).rev() {
         if probe(p) {
-            return (p + 1, probed);
+            return p + 1;
         }
     }
-    (held_to, probed)
+    held_to
 }
 
 /// Where a run of candidates `range` (believed held as a prefix of it) stops being held: the
@@ -455,7 +473,7 @@ impl PrefixStore for PrefixIndex {
         let Some(e) = self.endpoints.get(endpoint) else {
             return 0;
         };
-        believed_match(chain.len(), Search::Walk, |p| e.contains(chain[p])).0
+        believed_length(chain.len(), Search::Walk, |p| e.contains(chain[p]))
     }
 
     fn record_marked(&mut self, endpoint: usize, chain: &[u64], marks: &[usize]) {

@@ -44,7 +44,7 @@
 use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use prefixroute_core::index::{believed_match, record_positions, Search};
+use prefixroute_core::index::{believed_length, believed_match, record_positions, Search};
 use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::order::{f64_key_descending, sort_by_u64_key};
 use prefixroute_core::PrefixStore;
@@ -693,9 +693,17 @@ impl<H: SharedData> SharedIndex<H> {
     /// recorded checkpoints, then the positions before the next one), one bucket read per
     /// position looked at, shared by every endpoint's search.
     fn probe(&self, id: u64, view: View, chain: &[u64]) -> (usize, Vec<usize>) {
-        believed_match(chain.len(), Search::Binary, |i| {
-            self.holder(chain[i], id).is_some_and(|h| view.holds(&h))
-        })
+        believed_match(chain.len(), Search::Binary, self.holds(id, view, chain))
+    }
+
+    /// Whether the endpoint `id` (as `view` sees it) is believed to hold `chain[i]`.
+    fn holds<'a>(
+        &'a self,
+        id: u64,
+        view: View,
+        chain: &'a [u64],
+    ) -> impl FnMut(usize) -> bool + 'a {
+        move |i| self.holder(chain[i], id).is_some_and(|h| view.holds(&h))
     }
 
     fn freshness(&self, h: &Holder) -> Freshness {
@@ -859,7 +867,12 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let Some(id) = self.ids.id(endpoint) else {
             return 0;
         };
-        self.probe(id, self.view(endpoint), chain).0
+        // The length only: the held positions are for a record's refresh.
+        believed_length(
+            chain.len(),
+            Search::Binary,
+            self.holds(id, self.view(endpoint), chain),
+        )
     }
 
     fn record_marked(&mut self, endpoint: usize, chain: &[u64], marks: &[usize]) {
