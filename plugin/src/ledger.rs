@@ -451,7 +451,7 @@ mod tests {
         }
         for i in [&mut a, &mut b, &mut main] {
             let p = i.totals(&host, 100);
-            assert_eq!(in_flight(&p), vec![2, 0, 1]);
+            assert_eq!(in_flight(p), vec![2, 0, 1]);
             assert_eq!(
                 p.work[0],
                 EndpointWork {
@@ -551,7 +551,7 @@ mod tests {
         dead.acquire(&host, 1, &work(0), 0);
         a.acquire(&host, 0, &work(0), 0);
         a.tick(&host, 10);
-        assert_eq!(in_flight(&a.totals(&host, 10)), vec![1, 2, 0]);
+        assert_eq!(in_flight(a.totals(&host, 10)), vec![1, 2, 0]);
         let dead_slot = dead.slot();
         // `dead` stops ticking (its VM was reloaded). `a` keeps heartbeating.
         let mut now = 10;
@@ -560,7 +560,7 @@ mod tests {
             a.tick(&host, now);
         }
         assert_eq!(
-            in_flight(&a.totals(&host, now)),
+            in_flight(a.totals(&host, now)),
             vec![1, 0, 0],
             "stale counts ignored"
         );
@@ -569,7 +569,7 @@ mod tests {
         fresh.acquire(&host, 2, &work(0), now);
         assert_eq!(fresh.slot(), dead_slot, "slot reused: bounded keys");
         a.tick(&host, now + 1);
-        assert_eq!(in_flight(&a.totals(&host, now + 1)), vec![1, 0, 1]);
+        assert_eq!(in_flight(a.totals(&host, now + 1)), vec![1, 0, 1]);
     }
 
     #[test]
@@ -585,7 +585,7 @@ mod tests {
         b.tick(&host, STALE + 200);
         assert!(b.slot().is_some());
         a.tick(&host, STALE + 300);
-        assert_eq!(in_flight(&a.totals(&host, STALE + 300)), vec![1, 1, 0]);
+        assert_eq!(in_flight(a.totals(&host, STALE + 300)), vec![1, 1, 0]);
     }
 
     #[test]
@@ -605,6 +605,6 @@ mod tests {
         other.acquire(&host, 0, &work(0), 0);
         other.acquire(&host, 1, &work(0), 0);
         a.tick(&host, 1);
-        assert_eq!(in_flight(&a.totals(&host, 1)), vec![2, 1, 0]);
+        assert_eq!(in_flight(a.totals(&host, 1)), vec![2, 1, 0]);
     }
 }
