@@ -121,6 +121,9 @@ pub struct Scheduler<H: SharedData> {
     /// front to back (a tick already walks it per endpoint).
     pending: Vec<(u32, Pending)>,
     events: Vec<Event>,
+    /// Every worker's last cold pick per endpoint, as read for one route (kept between routes
+    /// so that reading it allocates nothing).
+    last_cold: Vec<Option<u64>>,
     tick_ms: u64,
 }
 
@@ -152,6 +155,7 @@ impl<H: SharedData> Scheduler<H> {
             fallback_cursor: 0,
             pending: Vec::new(),
             events: Vec::new(),
+            last_cold: Vec::new(),
             tick_ms: tick,
             pool: Pool {
                 version: 0,
@@ -260,16 +264,16 @@ impl<H: SharedData> Scheduler<H> {
         self.router.store_mut().begin_request_at(now_ms);
         let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
-        let last_cold: Vec<Option<u64>> = (0..self.endpoints())
-            .map(|e| {
-                let last_cold = self
-                    .router
-                    .store()
-                    .with_endpoint_state(e, |state| state.last_cold);
-                Some(last_cold).filter(|&t| t > 0)
-            })
-            .collect();
-        self.router.set_last_cold(&last_cold);
+        let endpoints = self.endpoints();
+        self.last_cold.clear();
+        self.last_cold.extend((0..endpoints).map(|e| {
+            let last_cold = self
+                .router
+                .store()
+                .with_endpoint_state(e, |state| state.last_cold);
+            Some(last_cold).filter(|&t| t > 0)
+        }));
+        self.router.set_last_cold(&self.last_cold);
         let Ok(decision) = self.router.pick(&hashes, &loads) else {
             // No endpoints: configuration refuses that, so it is a bug; count it, route by the
             // fallback (which leaves the request to Envoy's own policy) and go on.
