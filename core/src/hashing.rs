@@ -301,44 +301,64 @@ pub fn hash_request_memo(
     hash_request_with(request, config, Some(memo))
 }
 
+/// [`hash_request_memo`] into `out`, whose vectors keep their room from the request before (a
+/// proxy hashes one request after another: six vectors per request otherwise).
+pub fn hash_request_memo_into(
+    request: &ParsedRequest,
+    config: HashConfig,
+    memo: &mut ChainMemo,
+    out: &mut BlockHashes,
+) {
+    hash_request_into(request, config, Some(memo), out);
+}
+
 fn hash_request_with(
     request: &ParsedRequest,
     config: HashConfig,
-    mut memo: Option<&mut ChainMemo>,
+    memo: Option<&mut ChainMemo>,
 ) -> BlockHashes {
+    let mut hashes = BlockHashes::default();
+    hash_request_into(request, config, memo, &mut hashes);
+    hashes
+}
+
+fn hash_request_into(
+    request: &ParsedRequest,
+    config: HashConfig,
+    mut memo: Option<&mut ChainMemo>,
+    out: &mut BlockHashes,
+) {
     let seed = chain_seed(&request.model, request.cache_salt.as_deref().unwrap_or(""));
-    let mut hashes = BlockHashes {
-        chains: Vec::with_capacity(request.prompts.len()),
-        tokens: Vec::with_capacity(request.prompts.len()),
-        block_size: config.block_size.max(1),
-        marks: Vec::with_capacity(request.prompts.len()),
-    };
+    let block_size = config.block_size.max(1);
+    let prompts = request.prompts.len();
+    out.block_size = block_size;
+    out.tokens.clear();
+    out.chains.resize_with(prompts, Vec::new);
+    out.marks.resize_with(prompts, Vec::new);
     for (i, prompt) in request.prompts.iter().enumerate() {
-        let mut marks = Vec::new();
-        let (count, chain) = match prompt {
+        let (chain, marks) = (&mut out.chains[i], &mut out.marks[i]);
+        chain.clear();
+        marks.clear();
+        let count = match prompt {
             Prompt::Text(text) => {
                 // About 4 bytes per token in English text.
-                let blocks = text.len() / (4 * hashes.block_size) + 1;
-                let mut chain = Vec::with_capacity(blocks);
+                chain.reserve(text.len() / (4 * block_size) + 1);
                 // Message boundaries belong to the chat prompt, the only one.
                 let boundaries = if i == 0 { &request.boundaries[..] } else { &[] };
-                let count = match memo.as_deref_mut() {
-                    Some(memo) => chain_text_memo(
-                        text, seed, config, boundaries, memo, &mut chain, &mut marks,
-                    ),
-                    None => {
-                        chain_text_marked(text, seed, config, boundaries, &mut chain, &mut marks)
+                match memo.as_deref_mut() {
+                    Some(memo) => {
+                        chain_text_memo(text, seed, config, boundaries, memo, chain, marks)
                     }
-                };
-                (count, chain)
+                    None => chain_text_marked(text, seed, config, boundaries, chain, marks),
+                }
             }
-            Prompt::Tokens(ids) => (ids.len(), chain_hashes(ids, seed, config)),
+            Prompt::Tokens(ids) => {
+                chain_hashes_into(ids, seed, config, chain);
+                ids.len()
+            }
         };
-        hashes.tokens.push(count);
-        hashes.chains.push(chain);
-        hashes.marks.push(marks);
+        out.tokens.push(count);
     }
-    hashes
 }
 
 #[cfg(test)]

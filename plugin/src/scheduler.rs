@@ -6,7 +6,7 @@
 use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::feed::FeedPage;
-use prefixroute_core::hashing::{hash_request_memo, ChainMemo, HashConfig};
+use prefixroute_core::hashing::{hash_request_memo_into, BlockHashes, ChainMemo, HashConfig};
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
@@ -124,6 +124,8 @@ pub struct Scheduler<H: SharedData> {
     /// Every worker's last cold pick per endpoint, as read for one route (kept between routes
     /// so that reading it allocates nothing).
     last_cold: Vec<Option<u64>>,
+    /// The last request's block hashes: the next one is hashed into their vectors.
+    hashes: BlockHashes,
     tick_ms: u64,
 }
 
@@ -156,6 +158,7 @@ impl<H: SharedData> Scheduler<H> {
             pending: Vec::new(),
             events: Vec::new(),
             last_cold: Vec::new(),
+            hashes: BlockHashes::default(),
             tick_ms: tick,
             pool: Pool {
                 version: 0,
@@ -253,7 +256,10 @@ impl<H: SharedData> Scheduler<H> {
             Err(_) => return self.fallback(FallbackReason::ParseError, now_ms),
         };
         let before = self.memo.stats();
-        let hashes = hash_request_memo(&request, self.hash, &mut self.memo);
+        // Taken out for this route and put back at its end (an early return only loses the
+        // vectors' room).
+        let mut hashes = std::mem::take(&mut self.hashes);
+        hash_request_memo_into(&request, self.hash, &mut self.memo, &mut hashes);
         let after = self.memo.stats();
         if after != before {
             self.events.push(Event::HashMemo {
@@ -313,6 +319,7 @@ impl<H: SharedData> Scheduler<H> {
             .copied()
             .take(self.config.failover)
             .collect();
+        self.hashes = hashes;
         Choice {
             endpoint,
             failover,

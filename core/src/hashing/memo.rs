@@ -191,7 +191,9 @@ impl ChainMemo {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hashing::{hash_request, hash_request_memo, HashConfig};
+    use crate::hashing::{
+        hash_request, hash_request_memo, hash_request_memo_into, BlockHashes, HashConfig,
+    };
     use crate::request::parse_request;
     use proptest::prelude::*;
 
@@ -220,6 +222,27 @@ mod tests {
         block_size: 16,
         include_partial: true,
     };
+
+    #[test]
+    fn hashing_into_the_vectors_of_an_earlier_request_gives_what_hashing_afresh_gives() {
+        let mut memo = ChainMemo::default();
+        let mut out = BlockHashes::default();
+        let long = text(2, 400);
+        let bodies = [
+            chat(&[("system", long.clone()), ("user", "why?".to_string())]),
+            br#"{"model":"m","prompt":["a b c d e f g h i j","x y z"]}"#.to_vec(),
+            br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#.to_vec(),
+            chat(&[("user", "short".to_string())]),
+            chat(&[("system", long), ("user", "and then?".to_string())]),
+            br#"{"model":"m","prompt":""}"#.to_vec(),
+        ];
+        // Longer and shorter, more and fewer prompts, text and token ids, in turn.
+        for (i, body) in bodies.iter().enumerate() {
+            let request = parse_request(body).unwrap();
+            hash_request_memo_into(&request, CONFIG, &mut memo, &mut out);
+            assert_eq!(out, hash_request(&request, CONFIG), "request {i}");
+        }
+    }
 
     #[test]
     fn a_repeated_system_prompt_is_hashed_from_memory_from_its_third_time_on() {
