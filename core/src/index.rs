@@ -217,10 +217,8 @@ pub fn checkpoints(n: usize) -> usize {
 /// [`record_positions`]).
 pub fn gap_blocks(p: usize) -> usize {
     let c = checkpoints(p + 1);
-    let below = c
-        .checked_sub(1)
-        .map_or(0, |c| grid_point(checkpoint_on_grid(c)) + 1);
-    grid_point(checkpoint_on_grid(c)).saturating_sub(below) + 1
+    let below = c.checked_sub(1).map_or(0, |c| checkpoint_position(c) + 1);
+    checkpoint_position(c).saturating_sub(below) + 1
 }
 
 /// The believed match of a chain of `n` blocks on one endpoint, given which of its positions
@@ -290,15 +288,15 @@ fn believed_match_with(
     let gap = checkpoint_on_grid(c - 1) + 1..if c < k { checkpoint_on_grid(c) } else { grid_n };
     // Its last grid point first: a checkpoint before it is held, so most often the prefix
     // runs on through the gap (a warm long prompt), one probe.
-    let g = if search == Search::Binary && !gap.is_empty() && probe(grid_point(gap.end - 1)) {
-        gap.end
-    } else {
-        let last = if search == Search::Binary {
-            gap.end.saturating_sub(1)
-        } else {
-            gap.end
-        };
-        held_run(gap.start..last.max(gap.start), search, true, probe)
+    let g = match search {
+        Search::Binary if !gap.is_empty() => {
+            if probe(grid_point(gap.end - 1)) {
+                gap.end
+            } else {
+                held_run(gap.start..gap.end - 1, search, true, probe)
+            }
+        }
+        _ => held_run(gap, search, true, probe),
     };
     let held_to = if g == 0 { 0 } else { grid_point(g - 1) + 1 };
     let next = if g < grid_n { grid_point(g) } else { top };

@@ -342,11 +342,19 @@ impl<S: PrefixStore> Router<S> {
 
     /// Blocks of each chain of `hashes` `endpoint` is believed to hold.
     pub fn matched_per_chain(&self, endpoint: usize, hashes: &BlockHashes) -> Vec<usize> {
+        self.matches_on(endpoint, hashes).collect()
+    }
+
+    /// [`Router::matched_per_chain`] as it is looked up, chain by chain.
+    fn matches_on<'a>(
+        &'a self,
+        endpoint: usize,
+        hashes: &'a BlockHashes,
+    ) -> impl Iterator<Item = usize> + 'a {
         hashes
             .chains
             .iter()
-            .map(|chain| self.store.longest_match(endpoint, chain))
-            .collect()
+            .map(move |chain| self.store.longest_match(endpoint, chain))
     }
 
     /// Blocks of `hashes` each endpoint is believed to hold (summed over the request's chains).
@@ -427,30 +435,21 @@ impl<S: PrefixStore> Router<S> {
         let chains = hashes.chains.len();
         let mut blocks = Vec::with_capacity(self.endpoints * chains);
         for e in 0..self.endpoints {
-            blocks.extend(
-                hashes
-                    .chains
-                    .iter()
-                    .map(|chain| self.store.longest_match(e, chain)),
-            );
+            blocks.extend(self.matches_on(e, hashes));
         }
-        let matches = Matches {
-            blocks,
-            chains,
-            continues: Vec::new(),
-        };
         let continues = (0..self.endpoints)
             .map(|e| {
                 hashes
                     .chains
                     .iter()
-                    .zip(matches.of(e))
+                    .zip(&blocks[e * chains..])
                     .any(|(chain, &m)| self.store.continues(e, chain, m))
             })
             .collect();
         Matches {
+            blocks,
+            chains,
             continues,
-            ..matches
         }
     }
 
@@ -629,7 +628,8 @@ impl<S: PrefixStore> Router<S> {
     /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
     /// the router's own, which keeps its room: a proxy does this on every route).
     pub fn set_live_groups(&mut self, live: &LiveGroups) {
-        self.live.count.clone_from(&live.count);
+        let LiveGroups { count } = live;
+        self.live.count.clone_from(count);
     }
 
     /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =

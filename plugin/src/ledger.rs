@@ -251,13 +251,21 @@ impl Ledger {
     pub fn totals(&mut self, host: &impl SharedData, now_ms: u64) -> &Pooled {
         let n = self.ids.len();
         let mut pooled = std::mem::take(&mut self.pooled);
-        pooled.work.clone_from(&self.own.work);
-        pooled.sent.clone_from(&self.own.sent);
-        pooled.learned.rates.clone_from(&self.own.learned.rates);
-        pooled.learned.lanes = self.own.learned.lanes;
-        pooled.learned.hold = self.own.learned.hold;
-        pooled.growth = self.growth;
-        pooled.live.count.clone_from(&self.live.count);
+        // Field by field, every field named: one added to either struct must be copied too.
+        let Pooled {
+            work,
+            sent,
+            learned,
+            growth,
+            live,
+        } = &mut pooled;
+        let LearnedModel { rates, lanes, hold } = &self.own.learned;
+        work.clone_from(&self.own.work);
+        sent.clone_from(&self.own.sent);
+        learned.rates.clone_from(rates);
+        (learned.lanes, learned.hold) = (*lanes, *hold);
+        *growth = self.growth;
+        live.count.clone_from(&self.live.count);
         for peer in &self.peers {
             let record = match host.get(self.keys.get(peer.slot)) {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
