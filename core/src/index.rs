@@ -7,6 +7,8 @@
 
 mod blocks;
 
+use serde::{Deserialize, Serialize};
+
 use crate::latency::CacheRoom;
 use blocks::BlockLru;
 
@@ -383,18 +385,44 @@ pub trait PrefixStore {
     /// `endpoint`'s believed cache: its capacity and how many blocks it is believed to hold.
     fn room(&self, endpoint: usize) -> CacheRoom;
 
-    /// Remembers that a request's full blocks ended at `hash` on `endpoint`.
-    fn mark_end(&mut self, endpoint: usize, hash: u64);
+    /// Remembers that the full blocks of a request, its group's `turn`, ended at `hash` on
+    /// `endpoint`.
+    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn);
 
     /// Whether a request whose believed match on `endpoint` is `chain[..matched]` continues an
-    /// earlier request there: its match ends exactly where that request's full blocks ended,
-    /// as the next turn of a conversation does. A request that shares only a head with others
-    /// (a system prompt, a document) and adds its own tail does not.
-    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool;
+    /// earlier request there, and that request's turn: the match ends exactly where that
+    /// request's full blocks ended, as the next turn of a conversation does. A request that
+    /// shares only a head with others (a system prompt, a document) and adds its own tail does
+    /// not.
+    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> Option<Turn>;
+}
+
+/// Where a request stands in its group (a conversation, a tenant's questions, the questions
+/// about one document): the first request of the group, or a later one that continues an
+/// earlier request (see [`PrefixStore::continues`]). The index keeps it with each end mark, so
+/// a request learns what kind of request it continued: how often first requests and later ones
+/// are followed differ (a tenant's question is never continued, a conversation's turns
+/// nearly always are), and [`crate::latency::GroupGrowth`] learns each apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Turn {
+    First,
+    Later,
+}
+
+impl Turn {
+    /// The turn of a request that `continued` an earlier one of its group (or nothing).
+    pub fn of(continued: Option<Turn>) -> Turn {
+        if continued.is_some() {
+            Turn::Later
+        } else {
+            Turn::First
+        }
+    }
 }
 
 /// An in-memory [`PrefixStore`]: one LRU set of block hashes per endpoint, each block with
-/// whether a recorded request's full blocks ended there (see [`PrefixStore::continues`]).
+/// whether (and which [`Turn`] of) a recorded request's full blocks ended there (see
+/// [`PrefixStore::continues`]).
 #[derive(Debug)]
 pub struct PrefixIndex {
     /// Capacity of endpoints whose own capacity was never set.
@@ -499,19 +527,16 @@ impl PrefixStore for PrefixIndex {
         }
     }
 
-    fn mark_end(&mut self, endpoint: usize, hash: u64) {
+    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn) {
         if let Some(e) = self.endpoints.get_mut(endpoint) {
-            e.mark_end(hash);
+            e.mark_end(hash, turn);
         }
     }
 
-    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool {
-        let (Some(e), Some(last)) = (self.endpoints.get(endpoint), matched.checked_sub(1)) else {
-            return false;
-        };
-        chain
-            .get(last)
-            .is_some_and(|&hash| e.peek_end(hash) == Some(true))
+    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> Option<Turn> {
+        let e = self.endpoints.get(endpoint)?;
+        let &hash = chain.get(matched.checked_sub(1)?)?;
+        e.peek_end(hash).flatten()
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {
@@ -609,20 +634,28 @@ mod tests {
     }
 
     #[test]
-    fn a_match_that_ends_where_a_request_ended_continues_it() {
+    fn a_match_that_ends_where_a_request_ended_continues_it_and_says_its_turn() {
         let mut index = PrefixIndex::new(1, 100);
         // Turn 1 of a conversation: system prompt 1, 2, then its own 3.
         index.record(0, &[1, 2, 3]);
-        index.mark_end(0, 3);
-        // Turn 2 matches all of turn 1 and adds 4, 5: it continues.
-        assert!(index.continues(0, &[1, 2, 3, 4, 5], 3));
+        index.mark_end(0, 3, Turn::First);
+        // Turn 2 matches all of turn 1 and adds 4, 5: it continues a first turn.
+        assert_eq!(index.continues(0, &[1, 2, 3, 4, 5], 3), Some(Turn::First));
+        index.record(0, &[1, 2, 3, 4, 5]);
+        index.mark_end(0, 5, Turn::Later);
+        // Turn 3 continues a later turn; turn 1's mark stays.
+        assert_eq!(
+            index.continues(0, &[1, 2, 3, 4, 5, 6], 5),
+            Some(Turn::Later)
+        );
+        assert_eq!(index.continues(0, &[1, 2, 3, 7], 3), Some(Turn::First));
         // Another conversation shares only the system prompt: it does not.
-        assert!(!index.continues(0, &[1, 2, 9], 2));
-        assert!(!index.continues(0, &[1, 2, 9], 0));
-        assert!(!index.continues(1, &[1, 2, 3], 3), "unknown endpoint");
+        assert_eq!(index.continues(0, &[1, 2, 9], 2), None);
+        assert_eq!(index.continues(0, &[1, 2, 9], 0), None);
+        assert_eq!(index.continues(1, &[1, 2, 3], 3), None, "unknown endpoint");
         // A mark for a block not held is ignored.
-        index.mark_end(0, 77);
-        assert!(!index.continues(0, &[77], 1));
+        index.mark_end(0, 77, Turn::Later);
+        assert_eq!(index.continues(0, &[77], 1), None);
     }
 
     #[test]

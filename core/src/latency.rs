@@ -29,6 +29,7 @@ use thiserror::Error;
 
 use crate::config::ConfigError;
 use crate::hashing::BlockHashes;
+use crate::index::Turn;
 
 /// Priors and bounds of the latency model (the `latency` section of the configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -903,13 +904,27 @@ impl Backlog {
 }
 
 /// How requests extend the groups they belong to, learned over the whole fleet: how often a
-/// request continues an earlier one (see [`crate::index::PrefixStore::continues`]) and how many
-/// blocks a continuation adds. Conversations continue almost always and grow every turn;
-/// tenants' and documents' questions never continue (they share a head, not a history).
+/// group's first request is followed by another, how often a later one is (see
+/// [`crate::index::PrefixStore::continues`] and [`Turn`]), and how many blocks a continuation
+/// adds. Conversations continue almost always and grow every turn; tenants' and documents'
+/// questions never continue (they share a head, not a history).
+///
+/// Why two shares and not one: a gateway carries both kinds at once. A single share of
+/// continuing requests mixes them: with as many tenants' questions as conversation turns it
+/// says 0.5, so a conversation looks two turns long when it is twenty, its growth is not
+/// priced, and the router piles conversations next to their shared system prompt until that
+/// cache thrashes (measured in docs/benchmarks.md: TTFT p95 5.7× the upper bound). Every first
+/// request is a question whose future nobody knows yet; a later request belongs to a group
+/// that has already grown, and how such groups go on is learned from them alone.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupGrowth {
-    pub requests: f64,
-    pub continuations: f64,
+    /// Requests that continued no earlier request: their groups' first turns.
+    pub first_turns: f64,
+    /// Requests that continued a first turn.
+    pub second_turns: f64,
+    /// Requests that continued a later turn (a group's third request and on).
+    pub further_turns: f64,
+    /// Blocks the continuing requests added.
     pub added_blocks: f64,
 }
 
@@ -917,76 +932,147 @@ pub struct GroupGrowth {
 /// (a memory of about fifty requests, so it follows a workload that changes).
 const GROWTH_KEEP: f64 = 0.98;
 
-/// The continuation share is capped so the expected number of further requests of a group
-/// stays finite (at most 19).
+/// The shares are capped so the expected number of further requests of a group stays finite
+/// (at most 19).
 const MAX_CONTINUATION_SHARE: f64 = 0.95;
 
 impl GroupGrowth {
-    /// Learns from one routed request.
-    pub fn observe(&mut self, continues: bool, new_blocks: usize) {
-        self.requests = self.requests * GROWTH_KEEP + 1.0;
-        self.continuations *= GROWTH_KEEP;
+    /// Learns from one routed request: `continued` is the turn of the request it continued, if
+    /// any; `new_blocks` the blocks it added to its group.
+    pub fn observe(&mut self, continued: Option<Turn>, new_blocks: usize) {
+        self.first_turns *= GROWTH_KEEP;
+        self.second_turns *= GROWTH_KEEP;
+        self.further_turns *= GROWTH_KEEP;
         self.added_blocks *= GROWTH_KEEP;
-        if continues {
-            self.continuations += 1.0;
-            self.added_blocks += new_blocks as f64;
+        match continued {
+            None => self.first_turns += 1.0,
+            Some(turn) => {
+                match turn {
+                    Turn::First => self.second_turns += 1.0,
+                    Turn::Later => self.further_turns += 1.0,
+                }
+                self.added_blocks += new_blocks as f64;
+            }
         }
-        if !(self.requests.is_finite()
-            && self.continuations.is_finite()
-            && self.added_blocks.is_finite())
+        if ![
+            self.first_turns,
+            self.second_turns,
+            self.further_turns,
+            self.added_blocks,
+        ]
+        .iter()
+        .all(|v| v.is_finite())
         {
             *self = GroupGrowth::default();
         }
     }
 
-    /// The share of requests that continue an earlier one: the chance that a group's request
-    /// is followed by another. Estimated from the last ~50 requests and blended with a prior
-    /// ([`PRIOR_CONTINUATION_SHARE`], worth [`PRIOR_REQUESTS`] requests), capped so a group's
-    /// expected length stays finite.
+    /// Adds another router's evidence (a proxy pools every worker's); non-finite or negative
+    /// sums count as none.
+    pub fn add(&mut self, other: &GroupGrowth) {
+        self.first_turns += finite_or_zero(other.first_turns);
+        self.second_turns += finite_or_zero(other.second_turns);
+        self.further_turns += finite_or_zero(other.further_turns);
+        self.added_blocks += finite_or_zero(other.added_blocks);
+    }
+
+    /// Requests that continued an earlier one.
+    fn continuations(&self) -> f64 {
+        finite_or_zero(self.second_turns) + finite_or_zero(self.further_turns)
+    }
+
+    /// The chance that a group's first request is followed by another: second turns over first
+    /// turns in the last ~50 requests, blended with a prior ([`PRIOR_FIRST_SHARE`], worth
+    /// [`PRIOR_FIRST_REQUESTS`] requests) and capped.
     ///
     /// Why a prior: right after groups start (a fleet coming up, a wave of new conversations)
-    /// most recent requests are starts, so the plain share says groups are short exactly when
-    /// it matters most where they start. Chat is what an OpenAI gateway mostly carries; the
-    /// prior says so until the evidence outweighs it. It only moves placement where groups are
-    /// seen to grow: without continuations the growth is zero whatever the share.
-    pub fn continuation_share(&self) -> f64 {
-        let requests = finite_or_zero(self.requests);
-        let continuations = finite_or_zero(self.continuations).min(requests);
-        let share = (continuations + PRIOR_REQUESTS * PRIOR_CONTINUATION_SHARE)
-            / (requests + PRIOR_REQUESTS);
-        share.clamp(0.0, MAX_CONTINUATION_SHARE)
+    /// their second turns have not come yet, so the plain share says groups are short exactly
+    /// when it matters most where they start. Chat is what an OpenAI gateway mostly carries;
+    /// the prior says so until the evidence outweighs it. Where first requests are never
+    /// followed (tenants' questions) the evidence takes it down within a few dozen requests,
+    /// and without continuations the growth is zero whatever the share.
+    pub fn first_share(&self) -> f64 {
+        blend(
+            finite_or_zero(self.second_turns),
+            finite_or_zero(self.first_turns),
+            PRIOR_FIRST_SHARE,
+            PRIOR_FIRST_REQUESTS,
+        )
+    }
+
+    /// The chance that a later request (one that continued its group) is followed by another:
+    /// further turns over all continuations, blended with a prior ([`PRIOR_LATER_SHARE`], worth
+    /// [`PRIOR_LATER_REQUESTS`] continuations) and capped.
+    ///
+    /// Why the prior weighs four times the estimate's memory: the window sees young groups.
+    /// While conversations start (the first seconds of a fleet or of a wave) most continuations
+    /// in it are second turns whose successors have not come yet, so its share is far below
+    /// what the groups will do: 0.5–0.7 in the first seconds of the benchmark traces whose
+    /// conversations continue 94% of the time. Under-estimating it is the costly mistake: new
+    /// groups pile next to a shared head and thrash its cache later, when moving them costs
+    /// their whole history. Over-estimating it spreads new groups over more replicas than they
+    /// need, which costs one prefill of the shared head per replica. So evidence moves this
+    /// share between about 0.76 and the cap, not below (the weights are compared in
+    /// docs/benchmarks.md).
+    pub fn later_share(&self) -> f64 {
+        blend(
+            finite_or_zero(self.further_turns),
+            self.continuations(),
+            PRIOR_LATER_SHARE,
+            PRIOR_LATER_REQUESTS,
+        )
+    }
+
+    /// The chance that a request is followed by another of its group, given the turn of the
+    /// request it `continued`: [`Self::first_share`] for a first request, [`Self::later_share`]
+    /// for any other.
+    pub fn follow_share(&self, continued: Option<Turn>) -> f64 {
+        match Turn::of(continued) {
+            Turn::First => self.first_share(),
+            Turn::Later => self.later_share(),
+        }
     }
 
     /// A continuation's mean size in blocks (0 before any was seen).
     fn mean_continuation_blocks(&self) -> f64 {
-        let continuations = finite_or_zero(self.continuations);
+        let continuations = self.continuations();
         if continuations < 1.0 {
             return 0.0;
         }
         finite_or_zero(self.added_blocks / continuations)
     }
 
-    /// Blocks a group that starts now is expected to add after its first request: a
-    /// continuation's mean size times the expected number of continuations, `p / (1 − p)` for
-    /// the continuation share `p` (each request is followed by another with probability `p`).
-    pub fn future_blocks(&self) -> f64 {
-        let p = self.continuation_share();
-        finite_or_zero(self.mean_continuation_blocks() * p / (1.0 - p))
+    /// Blocks a request's group is expected to add after it: with the chance `f` that it is
+    /// followed ([`Self::follow_share`]), then as a group that lives
+    /// ([`Self::live_group_blocks`]).
+    pub fn future_blocks(&self, continued: Option<Turn>) -> f64 {
+        finite_or_zero(self.follow_share(continued) * self.live_group_blocks())
     }
 
     /// Blocks a group known to live (one that will send another request) is expected to add:
-    /// `mean / (1 − p)`, the same geometric length one request further on.
+    /// a continuation's mean size times `1 / (1 − q)` continuations, for the later share `q`
+    /// (each later request is followed by another with probability `q`).
     pub fn live_group_blocks(&self) -> f64 {
-        let p = self.continuation_share();
-        finite_or_zero(self.mean_continuation_blocks() / (1.0 - p))
+        let q = self.later_share();
+        finite_or_zero(self.mean_continuation_blocks() / (1.0 - q))
     }
 }
 
-/// The prior continuation share of [`GroupGrowth::continuation_share`] and its weight in
-/// requests (as much as the estimate's memory holds, so evidence and prior weigh alike once
-/// the memory is full).
-const PRIOR_CONTINUATION_SHARE: f64 = 0.9;
-const PRIOR_REQUESTS: f64 = 50.0;
+/// `(hits + weight × prior) / (trials + weight)`, capped at [`MAX_CONTINUATION_SHARE`].
+fn blend(hits: f64, trials: f64, prior: f64, weight: f64) -> f64 {
+    let hits = hits.min(trials);
+    ((hits + weight * prior) / (trials + weight)).clamp(0.0, MAX_CONTINUATION_SHARE)
+}
+
+/// The prior of [`GroupGrowth::first_share`] and its weight in requests (as much as the
+/// estimate's memory holds, so evidence and prior weigh alike once the memory is full).
+const PRIOR_FIRST_SHARE: f64 = 0.9;
+const PRIOR_FIRST_REQUESTS: f64 = 50.0;
+
+/// The prior of [`GroupGrowth::later_share`] (the cap) and its weight in continuations (see
+/// there why four times the memory).
+const PRIOR_LATER_SHARE: f64 = MAX_CONTINUATION_SHARE;
+const PRIOR_LATER_REQUESTS: f64 = 200.0;
 
 fn finite_or_zero(v: f64) -> f64 {
     if v.is_finite() {
@@ -1002,9 +1088,9 @@ fn finite_or_zero(v: f64) -> f64 {
 /// The belief's occupancy says how full a cache is now; a replica that has just taken ten new
 /// conversations is nearly empty now and full in a minute. So every group started on an
 /// endpoint counts one there, a group moved elsewhere moves its count, and since a request is
-/// its group's last with probability `1 − p` (the continuation share, [`GroupGrowth`]), each
-/// request routed to an endpoint takes `1 − p` off its count: the expected number of groups
-/// that ended there. Counts, not blocks: what each live group will still add is priced when a
+/// its group's last with probability `1 − f` ([`GroupGrowth::follow_share`]), each request
+/// routed to an endpoint takes `1 − f` off its count: the expected number of groups that ended
+/// there. Counts, not blocks: what each live group will still add is priced when a
 /// decision reads it ([`GroupGrowth::live_group_blocks`]), with what the router knows by then,
 /// so groups started before their growth was learned are priced as soon as it is. The sums are
 /// signed (a proxy adds up every worker's, and one worker may see the continuation of
@@ -1031,7 +1117,8 @@ impl LiveGroups {
     }
 
     /// One routed request: it went to `chosen`; `continued(e)` says where it continued its
-    /// group (where the group lived); `share` is the continuation share the router believes.
+    /// group (where the group lived); `share` is the chance the router believes it is followed
+    /// ([`GroupGrowth::follow_share`]).
     pub fn observe(&mut self, chosen: usize, continued: impl Fn(usize) -> bool, share: f64) {
         let ended = if share.is_finite() {
             1.0 - share.clamp(0.0, 1.0)
@@ -1730,39 +1817,98 @@ mod tests {
     #[test]
     fn growth_is_learned_from_continuations() {
         let mut growth = GroupGrowth::default();
-        assert_eq!(growth.future_blocks(), 0.0);
-        // Before any evidence the share is the prior's.
-        assert_eq!(growth.continuation_share(), PRIOR_CONTINUATION_SHARE);
-        // Tenants: nothing ever continues, so groups add nothing whatever the share.
+        assert_eq!(growth.future_blocks(None), 0.0);
+        // Before any evidence the shares are the priors.
+        assert_eq!(growth.first_share(), PRIOR_FIRST_SHARE);
+        assert_eq!(growth.later_share(), PRIOR_LATER_SHARE);
+        // Tenants: nothing ever continues, so groups add nothing whatever the shares, and the
+        // evidence takes the first share down.
         for _ in 0..100 {
-            growth.observe(false, 3);
+            growth.observe(None, 3);
         }
-        assert_eq!(growth.future_blocks(), 0.0);
+        assert_eq!(growth.future_blocks(None), 0.0);
         assert_eq!(growth.live_group_blocks(), 0.0);
-        assert!(growth.continuation_share() < 0.5, "{growth:?}");
-        // Conversations: 3 of 4 requests continue and add 8 blocks. With a full memory the
-        // evidence and the prior weigh alike: p = (0.75 + 0.9) / 2.
+        assert!(growth.first_share() < 0.5, "{growth:?}");
+        // Conversations of four requests each, adding 8 blocks a turn: a first turn is always
+        // followed, a later one two times in three. With a full memory the first share is the
+        // evidence and the prior alike; the later share is mostly the prior.
         for i in 0..400 {
-            growth.observe(i % 4 != 0, 8);
+            let continued = match i % 4 {
+                0 => None,
+                1 => Some(Turn::First),
+                _ => Some(Turn::Later),
+            };
+            growth.observe(continued, 8);
         }
-        let p = growth.continuation_share();
-        assert!((p - 0.825).abs() < 0.01, "{growth:?}");
-        assert!((growth.future_blocks() - 8.0 * p / (1.0 - p)).abs() < 1e-9);
-        // A live group is one request further on: mean / (1 - p).
-        assert!((growth.live_group_blocks() - 8.0 / (1.0 - p)).abs() < 1e-9);
-        // Always continuing is capped: at most 19 more requests.
+        let (f, q) = (growth.first_share(), growth.later_share());
+        // Steady sums: a quarter of the memory are first turns, all followed.
+        assert!(
+            (f - (12.5 + 50.0 * 0.9) / (12.5 + 50.0)).abs() < 0.01,
+            "{growth:?}"
+        );
+        let evidence = 2.0 / 3.0;
+        let memory = 0.75 / (1.0 - GROWTH_KEEP);
+        let expected = (memory * evidence + 200.0 * 0.95) / (memory + 200.0);
+        assert!((q - expected).abs() < 0.01, "{q} vs {expected}: {growth:?}");
+        // A live group adds a continuation's size 1 / (1 - q) times; a request adds that with
+        // the chance it is followed.
+        assert!((growth.live_group_blocks() - 8.0 / (1.0 - q)).abs() < 1e-9);
+        assert!((growth.future_blocks(None) - f * 8.0 / (1.0 - q)).abs() < 1e-9);
+        assert!(
+            (growth.future_blocks(Some(Turn::First)) - q * 8.0 / (1.0 - q)).abs() < 1e-9,
+            "a continuing request is followed with the later share"
+        );
+        // Always continuing is capped: at most 20 more continuations.
         for _ in 0..400 {
-            growth.observe(true, 1);
+            growth.observe(Some(Turn::Later), 1);
         }
-        assert!(growth.future_blocks() <= 19.0 * 1.01, "{growth:?}");
+        assert!(growth.live_group_blocks() <= 20.0 * 1.01, "{growth:?}");
         // Garbage sums are no evidence.
         let broken = GroupGrowth {
-            requests: f64::NAN,
-            continuations: f64::INFINITY,
+            first_turns: f64::NAN,
+            second_turns: f64::INFINITY,
+            further_turns: -1.0,
             added_blocks: -3.0,
         };
-        assert_eq!(broken.future_blocks(), 0.0);
+        assert_eq!(broken.future_blocks(None), 0.0);
         assert_eq!(broken.live_group_blocks(), 0.0);
+        let mut reset = broken;
+        reset.observe(None, 1);
+        assert_eq!(reset, GroupGrowth::default(), "non-finite sums start over");
+    }
+
+    #[test]
+    fn tenants_questions_do_not_dilute_how_conversations_grow() {
+        // A gateway carrying both: every other request is a tenant's question (a first turn
+        // never followed), the rest are turns of 40-turn conversations. One share of
+        // continuing requests would say 0.5; the later share sees the conversations alone.
+        let mut mixed = GroupGrowth::default();
+        let mut chat = GroupGrowth::default();
+        for i in 0..4000 {
+            let turn = match (i / 2) % 40 {
+                0 => None,
+                1 => Some(Turn::First),
+                _ => Some(Turn::Later),
+            };
+            if i % 2 == 0 {
+                mixed.observe(None, 2);
+            } else {
+                mixed.observe(turn, 6);
+                chat.observe(turn, 6);
+            }
+        }
+        assert_eq!(mixed.later_share(), chat.later_share());
+        assert!(mixed.later_share() > 0.94, "{mixed:?}");
+        assert!(
+            (mixed.live_group_blocks() - chat.live_group_blocks()).abs()
+                < 0.05 * chat.live_group_blocks(),
+            "{mixed:?} {chat:?}"
+        );
+        // A first turn is expected to grow less where most first turns are never followed.
+        assert!(
+            mixed.first_share() < chat.first_share() - 0.2,
+            "{mixed:?} {chat:?}"
+        );
     }
 
     #[test]

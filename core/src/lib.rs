@@ -27,6 +27,6 @@ pub mod scorer;
 pub mod tokenizer;
 
 pub use hashing::{BlockHashes, HashConfig};
-pub use index::{PrefixIndex, PrefixStore};
+pub use index::{PrefixIndex, PrefixStore, Turn};
 pub use request::{parse_request, ParsedRequest, RequestError};
 pub use router::{Decision, EndpointLoad, Policy, Router, RouterConfig, Weights};

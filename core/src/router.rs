@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::hashing::BlockHashes;
-use crate::index::{PrefixIndex, PrefixStore};
+use crate::index::{PrefixIndex, PrefixStore, Turn};
 use crate::latency::{predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction};
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
@@ -62,8 +62,9 @@ pub struct Decision {
     pub tie: bool,
     /// Every endpoint was down, so the pick ignored health.
     pub all_down: bool,
-    /// The request continues an earlier one on some eligible endpoint (its group grows).
-    pub continuation: bool,
+    /// The turn of the earlier request this one continues on some eligible endpoint (its
+    /// group grows); `None` when it starts a group.
+    pub continued: Option<Turn>,
 }
 
 impl Decision {
@@ -80,12 +81,12 @@ impl Decision {
         self.scores.get(self.endpoint)?.prediction.as_ref()
     }
 
-    /// Blocks of the request the chosen endpoint was not believed to hold.
     /// Whether the request continued its group on endpoint `e` (where the group lived).
     pub fn continues_on(&self, e: usize) -> bool {
         self.scores.get(e).is_some_and(|s| s.continues)
     }
 
+    /// Blocks of the request the chosen endpoint was not believed to hold.
     pub fn new_blocks(&self) -> usize {
         let matched = self
             .scores
@@ -249,8 +250,8 @@ pub struct Matches {
     /// [`Matches::of`]): one vector per request, not one per endpoint.
     blocks: Vec<usize>,
     chains: usize,
-    /// Per endpoint, the request continues an earlier request there.
-    pub continues: Vec<bool>,
+    /// Per endpoint, the turn of the earlier request this one continues there, if any.
+    pub continues: Vec<Option<Turn>>,
 }
 
 impl Matches {
@@ -262,6 +263,17 @@ impl Matches {
             .get(start..start.saturating_add(self.chains))
             .unwrap_or_default()
     }
+}
+
+/// The turn of the earlier request a request continues on some eligible endpoint (a later one
+/// where its group lives on several and they differ), or `None` when it starts a group.
+pub fn continued_turn(matches: &Matches, eligible: &[bool]) -> Option<Turn> {
+    matches
+        .continues
+        .iter()
+        .zip(eligible)
+        .filter_map(|(turn, &ok)| turn.filter(|_| ok))
+        .max()
 }
 
 /// Why [`Router::pick`] could not choose.
@@ -395,8 +407,8 @@ impl<S: PrefixStore> Router<S> {
         let filter = eligibility(policy, loads, self.config.saturation);
         let matches = self.believed_matches(hashes);
         let cold = !(0..n).any(|e| filter.eligible[e] && matches.of(e).iter().any(|&b| b > 0));
-        let continuation = (0..n).any(|e| filter.eligible[e] && matches.continues[e]);
-        let scores = self.score(hashes, &matches, loads, &filter, cold);
+        let continued = continued_turn(&matches, &filter.eligible);
+        let scores = self.score(hashes, &matches, loads, &filter, cold, continued);
         self.tie_key = hashes.chains.iter().find_map(|c| c.first().copied());
         let (endpoint, tie) = self.choose(&scores, &filter.eligible);
         self.tie_key = None;
@@ -424,7 +436,7 @@ impl<S: PrefixStore> Router<S> {
             cold,
             tie,
             all_down: filter.all_down,
-            continuation,
+            continued,
         })
     }
 
@@ -443,7 +455,8 @@ impl<S: PrefixStore> Router<S> {
                     .chains
                     .iter()
                     .zip(&blocks[e * chains..])
-                    .any(|(chain, &m)| self.store.continues(e, chain, m))
+                    .filter_map(|(chain, &m)| self.store.continues(e, chain, m))
+                    .max()
             })
             .collect();
         Matches {
@@ -472,6 +485,7 @@ impl<S: PrefixStore> Router<S> {
         loads: &[EndpointLoad],
         filter: &Eligibility,
         cold: bool,
+        continued: Option<Turn>,
     ) -> Vec<EndpointScores> {
         let total_blocks = hashes.total_blocks();
         let total_tokens = hashes.total_tokens();
@@ -480,7 +494,7 @@ impl<S: PrefixStore> Router<S> {
         let lru = no_hit_lru_scores(!cold, &self.last_cold);
         let block_size = hashes.block_size.max(1);
         let w = self.config.weights;
-        let future_blocks = self.growth.future_blocks();
+        let future_blocks = self.growth.future_blocks(continued);
         let live_group_blocks = self.growth.live_group_blocks();
         (0..loads.len())
             .map(|i| {
@@ -499,7 +513,7 @@ impl<S: PrefixStore> Router<S> {
                         matches.of(i),
                         room,
                         Footprint {
-                            continues: matches.continues[i],
+                            continues: matches.continues[i].is_some(),
                             future_blocks,
                             growing_blocks: self.live.on(i) * live_group_blocks,
                         },
@@ -530,7 +544,7 @@ impl<S: PrefixStore> Router<S> {
                     saturated: filter.saturated[i],
                     prediction,
                     room,
-                    continues: matches.continues[i],
+                    continues: matches.continues[i].is_some(),
                 }
             })
             .collect()
@@ -553,7 +567,8 @@ impl<S: PrefixStore> Router<S> {
             }
             let marks = hashes.marks.get(i).map_or(&[][..], Vec::as_slice);
             self.store.record_marked(endpoint, &chain[..full], marks);
-            self.store.mark_end(endpoint, chain[full - 1]);
+            self.store
+                .mark_end(endpoint, chain[full - 1], Turn::of(decision.continued));
         }
         let new_blocks = decision.total_blocks.saturating_sub(
             decision
@@ -564,9 +579,9 @@ impl<S: PrefixStore> Router<S> {
         self.live.observe(
             endpoint,
             |e| decision.continues_on(e),
-            self.growth.continuation_share(),
+            self.growth.follow_share(decision.continued),
         );
-        self.growth.observe(decision.continuation, new_blocks);
+        self.growth.observe(decision.continued, new_blocks);
         if decision.cold {
             self.cold_clock += 1;
             self.last_cold[decision.endpoint] = Some(self.cold_clock);
@@ -877,7 +892,10 @@ mod tests {
         // The next turn of the same prompt continues where its full blocks ended.
         let next = hashes("one two three four five six seven");
         let m = r.matched_per_chain(d.endpoint, &next);
-        assert!(r.store().continues(d.endpoint, &next.chains[0], m[0]));
+        assert_eq!(
+            r.store().continues(d.endpoint, &next.chains[0], m[0]),
+            Some(Turn::First)
+        );
         // A prompt shorter than a block leaves nothing to believe.
         let tiny = hashes("x");
         let t = r.pick(&tiny, &idle(2)).unwrap();
@@ -1082,17 +1100,33 @@ mod tests {
         let first = hashes("aa bb cc dd ");
         let d = r.pick(&first, &idle(2)).unwrap();
         r.commit(&d, &first);
-        let next = hashes("aa bb cc dd ee ff");
+        let next = hashes("aa bb cc dd ee ff ");
         let m = r.believed_matches(&next);
         let other = 1 - d.endpoint;
         assert_eq!(m.of(d.endpoint), [2], "two full blocks of two tokens");
         assert_eq!(m.of(other), [0]);
         assert_eq!(m.of(7), [0; 0], "an endpoint it does not know");
-        assert!(
+        assert_eq!(
             m.continues[d.endpoint],
+            Some(Turn::First),
             "the next turn continues where the first ended"
         );
-        assert!(!m.continues[other]);
+        assert_eq!(m.continues[other], None);
+        assert_eq!(continued_turn(&m, &[true, true]), Some(Turn::First));
+        let mut only_other = [true; 2];
+        only_other[d.endpoint] = false;
+        assert_eq!(
+            continued_turn(&m, &only_other),
+            None,
+            "not where it is ineligible"
+        );
+        // The second turn is a later one: the third continues it as such.
+        let d2 = r.pick(&next, &idle(2)).unwrap();
+        assert_eq!(d2.continued, Some(Turn::First));
+        r.commit(&d2, &next);
+        let third = hashes("aa bb cc dd ee ff gg hh");
+        let m3 = r.believed_matches(&third);
+        assert_eq!(m3.continues[d2.endpoint], Some(Turn::Later));
     }
 
     #[test]
@@ -1106,7 +1140,7 @@ mod tests {
         let h = hashes("x");
         let matches = r.believed_matches(&h);
         let filter = eligibility(Policy::LeastQueue, &loads, SaturationFilter::default());
-        let scores = r.score(&h, &matches, &loads, &filter, true);
+        let scores = r.score(&h, &matches, &loads, &filter, true, None);
         assert_eq!(r.choose(&scores, &[true, true, true]), (0, false));
         assert_eq!(r.choose(&scores, &[false, true, true]), (2, false));
         assert_eq!(runner_up(&scores, &[true, true, true], 0), Some(2));

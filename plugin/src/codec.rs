@@ -10,11 +10,12 @@ use prefixroute_core::latency::{
     Calibration, EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, SentTokens, LANE_MODELS,
 };
 use prefixroute_core::metrics::ServerMetrics;
+use prefixroute_core::Turn;
 
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 5;
+pub const LAYOUT: u8 = 6;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -301,21 +302,23 @@ fn metric_fields(m: &ServerMetrics) -> [Option<f64>; 7] {
 }
 
 /// One endpoint's claim on a block: its id (xxh64 of `ip:port`), the stamp its clock gave
-/// the block when it was last recorded there, and whether a request's full blocks ended at it
-/// (core's `PrefixStore::continues`). The flag is the stamp's top bit on the wire: a clock
-/// never reaches 2^63.
+/// the block when it was last recorded there, and whether (and which turn of its group) a
+/// request's full blocks ended at it (core's `PrefixStore::continues`). The flags are the
+/// stamp's top bits on the wire: a clock never reaches 2^61.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Holder {
     pub endpoint: u64,
     pub stamp: u64,
-    pub end: bool,
+    pub end: Option<Turn>,
     /// The server's own KV events reported the block (`index: precise`), not only our routing.
     pub confirmed: bool,
 }
 
 const END_BIT: u64 = 1 << 63;
 const CONFIRMED_BIT: u64 = 1 << 62;
-const STAMP_BITS: u64 = CONFIRMED_BIT - 1;
+/// With `END_BIT`: the request that ended there was a later turn of its group.
+const LATER_BIT: u64 = 1 << 61;
+const STAMP_BITS: u64 = LATER_BIT - 1;
 
 /// One block hash and the endpoints believed to hold it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -326,7 +329,8 @@ pub struct Entry {
 
 /// A bucket of the shared index (`prefixroute/ix/<bits>/<n>`): a handful of entries whose
 /// block hashes fall in it. Layout: `layout u8 | entries u8 | per entry: hash u64 |
-/// holders u8 | per holder: endpoint u64, stamp u64 (bit 63: end, bit 62: confirmed)`.
+/// holders u8 | per holder: endpoint u64, stamp u64 (bit 63: end, bit 62: confirmed, bit 61:
+/// the end is a later turn's)`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub entries: Vec<Entry>,
@@ -346,7 +350,11 @@ impl Bucket {
                 w.u64(h.endpoint);
                 w.u64(
                     (h.stamp & STAMP_BITS)
-                        | if h.end { END_BIT } else { 0 }
+                        | match h.end {
+                            None => 0,
+                            Some(Turn::First) => END_BIT,
+                            Some(Turn::Later) => END_BIT | LATER_BIT,
+                        }
                         | if h.confirmed { CONFIRMED_BIT } else { 0 },
                 );
             }
@@ -368,7 +376,11 @@ impl Bucket {
                 holders.push(Holder {
                     endpoint,
                     stamp: raw & STAMP_BITS,
-                    end: raw & END_BIT != 0,
+                    end: (raw & END_BIT != 0).then_some(if raw & LATER_BIT != 0 {
+                        Turn::Later
+                    } else {
+                        Turn::First
+                    }),
                     confirmed: raw & CONFIRMED_BIT != 0,
                 });
             }
@@ -420,9 +432,9 @@ impl EndpointLedger {
 /// every live instance's record.
 ///
 /// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
-/// growth 3 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
+/// growth 4 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
 /// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64, live_groups f64)`: 123 + 64 n bytes.
+/// sent_predicted_cached u64, live_groups f64)`: 131 + 64 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
@@ -434,7 +446,7 @@ pub struct InstanceRecord {
     pub endpoints: Vec<EndpointLedger>,
 }
 
-const INSTANCE_HEADER_BYTES: usize = 123;
+const INSTANCE_HEADER_BYTES: usize = 131;
 const LEDGER_BYTES: usize = 64;
 
 impl InstanceRecord {
@@ -460,8 +472,9 @@ impl InstanceRecord {
         }
         w.f64(self.hold.ms);
         w.f64(self.hold.count);
-        w.f64(self.growth.requests);
-        w.f64(self.growth.continuations);
+        w.f64(self.growth.first_turns);
+        w.f64(self.growth.second_turns);
+        w.f64(self.growth.further_turns);
         w.f64(self.growth.added_blocks);
         let endpoints = &self.endpoints[..self.endpoints.len().min(u16::MAX as usize)];
         w.u16(endpoints.len() as u16);
@@ -493,8 +506,9 @@ impl InstanceRecord {
             count: r.f64()?,
         };
         let growth = GroupGrowth {
-            requests: r.f64()?,
-            continuations: r.f64()?,
+            first_turns: r.f64()?,
+            second_turns: r.f64()?,
+            further_turns: r.f64()?,
             added_blocks: r.f64()?,
         };
         let n = r.u16()? as usize;
@@ -860,14 +874,20 @@ mod tests {
                         Holder {
                             endpoint: 1,
                             stamp: 10,
-                            end: false,
+                            end: None,
                             confirmed: false,
                         },
                         Holder {
                             endpoint: 2,
                             stamp: 20,
-                            end: true,
+                            end: Some(Turn::First),
                             confirmed: false,
+                        },
+                        Holder {
+                            endpoint: 3,
+                            stamp: (1 << 61) - 1,
+                            end: Some(Turn::Later),
+                            confirmed: true,
                         },
                     ],
                 },
@@ -878,16 +898,21 @@ mod tests {
             ],
         };
         let bytes = b.encode();
-        assert_eq!(bytes.len(), 2 + (9 + 32) + 9);
+        assert_eq!(bytes.len(), 2 + (9 + 48) + 9);
         assert_eq!(Bucket::decode(&bytes), Some(b.clone()));
         let h = b.holder(7, 2).unwrap();
         assert_eq!(
             (h.stamp, h.end),
-            (20, true),
-            "the end flag rides on the stamp's top bit"
+            (20, Some(Turn::First)),
+            "the end flags ride on the stamp's top bits"
         );
-        assert!(!b.holder(7, 1).unwrap().end);
-        assert_eq!(b.holder(7, 3), None);
+        assert_eq!(b.holder(7, 1).unwrap().end, None);
+        assert_eq!(
+            b.holder(7, 3).map(|h| (h.stamp, h.end, h.confirmed)),
+            Some(((1 << 61) - 1, Some(Turn::Later), true)),
+            "the largest stamp keeps every flag apart"
+        );
+        assert_eq!(b.holder(7, 4), None);
         assert_eq!(b.holder(8, 1), None);
         for cut in 0..bytes.len() {
             assert_eq!(Bucket::decode(&bytes[..cut]), None);
@@ -927,8 +952,9 @@ mod tests {
                 count: 2.0,
             },
             growth: GroupGrowth {
-                requests: 10.0,
-                continuations: 7.5,
+                first_turns: 2.5,
+                second_turns: 2.5,
+                further_turns: 5.0,
                 added_blocks: 60.0,
             },
             endpoints: vec![
@@ -959,8 +985,8 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 123 + 2 * 64);
-        assert_eq!(rec.encode().capacity(), 123 + 2 * 64);
+        assert_eq!(rec.encode().len(), 131 + 2 * 64);
+        assert_eq!(rec.encode().capacity(), 131 + 2 * 64);
         // The ledger encodes into one buffer over and over: a shorter record written over a
         // longer one leaves none of the longer one's bytes behind.
         let mut buf = rec.encode();

@@ -20,6 +20,7 @@ use prefixroute_core::latency::{
     EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation, Prediction,
     PrefillRate, RequestLedger, SentTokens,
 };
+use prefixroute_core::Turn;
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
 use crate::shared::{
@@ -55,13 +56,6 @@ impl Pooled {
         let s = &mut self.sent[e];
         s.prompt = s.prompt.saturating_add(sent.prompt);
         s.predicted_cached = s.predicted_cached.saturating_add(sent.predicted_cached);
-    }
-
-    fn add_growth(&mut self, growth: &GroupGrowth) {
-        let finite = |v: f64| if v.is_finite() && v >= 0.0 { v } else { 0.0 };
-        self.growth.requests += finite(growth.requests);
-        self.growth.continuations += finite(growth.continuations);
-        self.growth.added_blocks += finite(growth.added_blocks);
     }
 
     fn add_live(&mut self, e: usize, live: f64) {
@@ -223,18 +217,19 @@ impl Ledger {
 
     /// Learns how groups grow from one routed request, and counts where its group lives, as
     /// core's `Router::commit` does (published with the next write): it went to `endpoint`,
-    /// `continued(e)` says where it continued its group, `share` is the continuation share the
-    /// decision was made with.
+    /// `continues_on(e)` says where it continued its group, `share` is the chance it is
+    /// followed that the decision was made with, `continued` the turn of the request it
+    /// continued.
     pub fn observe_growth(
         &mut self,
         endpoint: usize,
-        continued: impl Fn(usize) -> bool,
+        continues_on: impl Fn(usize) -> bool,
         share: f64,
-        continues: bool,
+        continued: Option<Turn>,
         new_blocks: usize,
     ) {
-        self.live.observe(endpoint, continued, share);
-        self.growth.observe(continues, new_blocks);
+        self.live.observe(endpoint, continues_on, share);
+        self.growth.observe(continued, new_blocks);
     }
 
     /// `endpoint` restarted with an empty cache: this instance's count of the groups living
@@ -292,7 +287,7 @@ impl Ledger {
                 }
             }
             pooled.learned.add(theirs);
-            pooled.add_growth(&record.growth);
+            pooled.growth.add(&record.growth);
         }
         self.pooled = pooled;
         &self.pooled
@@ -516,15 +511,19 @@ mod tests {
         a.acquire(&host, 1, &work(500), 0);
         b.acquire(&host, 1, &work(0), 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
-        a.observe_growth(1, |e| e == 1, 0.8, true, 6);
+        a.observe_growth(1, |e| e == 1, 0.8, Some(Turn::First), 6);
         // b sees a's group move to endpoint 2 (it was on 1).
-        b.observe_growth(2, |e| e == 1, 0.8, true, 9);
+        b.observe_growth(2, |e| e == 1, 0.8, Some(Turn::Later), 9);
         a.release(&host, 1, None, None, 20);
         b.tick(&host, 30);
         let pooled = b.totals(&host, 30);
         assert_eq!(pooled.learned.rates[1].busy_ms, 1000.0);
         assert_eq!(pooled.learned.rates[1].work_tokens, 500.0);
-        assert_eq!(pooled.growth.continuations, 2.0);
+        assert_eq!(
+            (pooled.growth.second_turns, pooled.growth.further_turns),
+            (1.0, 1.0),
+            "each instance's turns, pooled"
+        );
         // Live groups are summed over instances, signed: on 1, a's -0.2 (one request's chance
         // to end) and b's -1 (the move); on 2, b's +1 - 0.2. Read never below zero.
         assert!(

@@ -292,13 +292,13 @@ impl<H: SharedData> Scheduler<H> {
             .prediction_for(&decision, &hashes, &loads[endpoint]);
         // The share the router's commit counts live groups with (before it learns from this
         // request), so the ledger's count is core's.
-        let share = self.router.growth().continuation_share();
+        let share = self.router.growth().follow_share(decision.continued);
         self.router.commit(&decision, &hashes);
         self.ledger.observe_growth(
             endpoint,
             |e| decision.continues_on(e),
             share,
-            decision.continuation,
+            decision.continued,
             decision.new_blocks(),
         );
         let errors = self.router.store_mut().end_request();

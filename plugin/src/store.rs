@@ -47,7 +47,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use prefixroute_core::index::{believed_length, believed_match, record_positions, Search};
 use prefixroute_core::latency::CacheRoom;
 use prefixroute_core::order::{f64_key_descending, sort_by_u64_key};
-use prefixroute_core::PrefixStore;
+use prefixroute_core::{PrefixStore, Turn};
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
 use crate::shared::{
@@ -98,21 +98,22 @@ fn keep_score(f: Freshness) -> f64 {
     }
 }
 
-/// One holder write: `endpoint` holds `hash` with `stamp` (and, with `end`, a request's full
-/// blocks ended there; with `confirmed`, the server's events reported it), or with `remove`
-/// it no longer holds it (the server's events said it evicted the block).
+/// One holder write: `endpoint` holds `hash` with `stamp` (and, with `end`, the full blocks
+/// of a request, that turn of its group, ended there; with `confirmed`, the server's events
+/// reported it), or with `remove` it no longer holds it (the server's events said it evicted
+/// the block).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Update {
     pub endpoint: u64,
     pub hash: u64,
     pub stamp: u64,
-    pub end: bool,
+    pub end: Option<Turn>,
     pub confirmed: bool,
     pub remove: bool,
 }
 
 /// Applies `updates` to a bucket: drops expired holders, upserts (the newer stamp wins, an
-/// end mark stays), then sheds the least fresh holders/entries beyond the limits. Pure and
+/// end mark stays unless a newer one replaces it, as in core's index), then sheds the least fresh holders/entries beyond the limits. Pure and
 /// idempotent (applying the same updates twice changes nothing), so it is tested on its own
 /// and a write that lost a CAS race re-applies its updates to the fresh value.
 pub fn apply_updates(
@@ -136,7 +137,7 @@ pub fn apply_updates(
             Some(entry) => match entry.holders.iter_mut().find(|h| h.endpoint == u.endpoint) {
                 Some(h) => {
                     h.stamp = h.stamp.max(u.stamp);
-                    h.end |= u.end;
+                    h.end = u.end.or(h.end);
                     h.confirmed |= u.confirmed;
                 }
                 None => entry.holders.push(holder),
@@ -989,7 +990,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
     }
 
-    fn mark_end(&mut self, endpoint: usize, hash: u64) {
+    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn) {
         let Some(id) = self.ids.id(endpoint) else {
             return;
         };
@@ -1002,7 +1003,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                 .find(|(_, u)| u.endpoint == id && u.hash == hash)
             {
                 // Recorded by this request: the mark rides on that write.
-                update.end = true;
+                update.end = Some(turn);
                 let update = *update;
                 if let Some(h) = cache
                     .buckets
@@ -1010,7 +1011,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                     .and_then(|b| b.value.entries.iter_mut().find(|e| e.hash == hash))
                     .and_then(|e| e.holders.iter_mut().find(|h| h.endpoint == update.endpoint))
                 {
-                    h.end = true;
+                    h.end = Some(turn);
                 }
                 return;
             }
@@ -1018,13 +1019,13 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // Held already (a request that repeats an earlier one exactly): mark it, unless it is.
         let view = self.view(endpoint);
         match self.holder(hash, id) {
-            Some(h) if !h.end && view.holds(&h) => self.queue_updates(
+            Some(h) if h.end != Some(turn) && view.holds(&h) => self.queue_updates(
                 bucket,
                 &[Update {
                     endpoint: id,
                     hash,
                     stamp: h.stamp,
-                    end: true,
+                    end: Some(turn),
                     ..Update::default()
                 }],
             ),
@@ -1032,14 +1033,10 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
     }
 
-    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> bool {
-        let (Some(id), Some(last)) = (self.ids.id(endpoint), matched.checked_sub(1)) else {
-            return false;
-        };
-        chain
-            .get(last)
-            .and_then(|&hash| self.holder(hash, id))
-            .is_some_and(|h| h.end)
+    fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> Option<Turn> {
+        let id = self.ids.id(endpoint)?;
+        let &hash = chain.get(matched.checked_sub(1)?)?;
+        self.holder(hash, id)?.end
     }
 }
 
@@ -1057,7 +1054,7 @@ mod tests {
                 endpoint,
                 hash,
                 stamp,
-                end: false,
+                end: None,
                 ..Update::default()
             })
             .collect()
@@ -1123,7 +1120,7 @@ mod tests {
             holders: vec![Holder {
                 endpoint: 7,
                 stamp: 0,
-                end: false,
+                end: None,
                 confirmed: false,
             }],
         });
@@ -1135,7 +1132,7 @@ mod tests {
             holders: vec![Holder {
                 endpoint: 8,
                 stamp: 1,
-                end: false,
+                end: None,
                 confirmed: false,
             }],
         });
@@ -1165,24 +1162,28 @@ mod tests {
         let a = addrs(3);
         let mut shared = SharedIndex::new(host, &a, 1000);
         let mut core = PrefixIndex::new(3, 1000);
-        let chains: Vec<(usize, Vec<u64>)> = vec![
-            (0, vec![1, 2, 3, 4]),
-            (1, vec![1, 2, 9]),
-            (0, vec![1, 2, 3, 5, 6]),
-            (2, vec![7]),
-            (1, vec![1, 2, 3, 4]),
+        let (first, later) = (Turn::First, Turn::Later);
+        let chains: Vec<(usize, Vec<u64>, Turn)> = vec![
+            (0, vec![1, 2, 3, 4], first),
+            (1, vec![1, 2, 9], later),
+            (0, vec![1, 2, 3, 5, 6], later),
+            (2, vec![7], first),
+            (1, vec![1, 2, 3, 4], first),
+            // The same prompt again, now as a later turn: the newer mark replaces the older.
+            (1, vec![1, 2, 9], first),
         ];
-        for (e, chain) in &chains {
+        for (e, chain, turn) in &chains {
             shared.begin_request();
             shared.record(*e, chain);
-            shared.mark_end(*e, *chain.last().unwrap());
+            shared.mark_end(*e, *chain.last().unwrap(), *turn);
             core.record(*e, chain);
-            core.mark_end(*e, *chain.last().unwrap());
+            core.mark_end(*e, *chain.last().unwrap(), *turn);
             shared.end_request();
         }
         let probes = [
             vec![1, 2, 3, 4, 8],
             vec![1, 2, 9],
+            vec![1, 2, 9, 10],
             vec![7, 1],
             vec![3],
             vec![1, 2, 3, 5, 6, 7],
@@ -1200,12 +1201,15 @@ mod tests {
                 );
             }
         }
-        assert!(
+        assert_eq!(
             shared.continues(0, &[1, 2, 3, 5, 6, 7], 5),
-            "ends where a request ended"
+            Some(later),
+            "ends where a request ended, and says which turn it was"
         );
-        assert!(
-            !shared.continues(0, &[1, 2, 3, 4, 8], 3),
+        assert_eq!(shared.continues(1, &[1, 2, 9, 10], 3), Some(first));
+        assert_eq!(
+            shared.continues(0, &[1, 2, 3, 4, 8], 3),
+            None,
             "a shared head only"
         );
     }
@@ -1306,10 +1310,10 @@ mod tests {
         let (_, sets_before) = host.calls();
         let chain: Vec<u64> = (0..40).collect();
         s.record(0, &chain);
-        s.mark_end(0, 39);
+        s.mark_end(0, 39, Turn::Later);
         // The request reads its own writes before they are sent...
         assert_eq!(s.longest_match(0, &chain), 40);
-        assert!(s.continues(0, &chain, 40));
+        assert_eq!(s.continues(0, &chain, 40), Some(Turn::Later));
         let (_, sets_mid) = host.calls();
         assert_eq!(
             sets_mid - sets_before,
@@ -1327,7 +1331,11 @@ mod tests {
         let (_, sets_after) = host.calls();
         assert_eq!(sets_after - sets_mid, buckets.len() as u64);
         s.begin_request();
-        assert!(s.continues(0, &chain, 40), "visible to the next request");
+        assert_eq!(
+            s.continues(0, &chain, 40),
+            Some(Turn::Later),
+            "visible to the next request"
+        );
     }
 
     #[test]
@@ -1341,7 +1349,7 @@ mod tests {
         s.begin_request();
         let (_, before) = host.calls();
         s.record(0, &chain);
-        s.mark_end(0, chain[1023]);
+        s.mark_end(0, chain[1023], Turn::First);
         s.end_request();
         let (_, after) = host.calls();
         // 39 checkpoints (0–3, 19, 35, …, 259, then 291, …, 771 every 32, then 835, 899,
@@ -1354,7 +1362,7 @@ mod tests {
         // The belief still matches it whole, and counts every block against the capacity.
         s.begin_request();
         assert_eq!(s.longest_match(0, &chain), 1024);
-        assert!(s.continues(0, &chain, 1024));
+        assert_eq!(s.continues(0, &chain, 1024), Some(Turn::First));
         assert_eq!(s.room(0).believed_blocks, 1024);
         // A prompt sharing 510 blocks of it is believed to share them up to the last
         // checkpoint before, 483 (the checkpoints are 32 blocks apart there).

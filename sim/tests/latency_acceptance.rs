@@ -145,42 +145,38 @@ fn the_upper_bound_is_one_server_that_never_evicts() {
 /// 900 blocks, 4 lanes, cheap prefill): all 24 conversations start within three seconds, next
 /// to the one replica that holds the shared system prompt, before any of them has grown.
 /// Counting the groups each replica takes, and pricing the room their growth will need, starts
-/// later conversations elsewhere. Measured when this was built: without the counts one replica
+/// later conversations elsewhere. Measured when the counts were built: without them one replica
 /// took 279 of the 400 requests (max/mean 4.18) at 96.8% of the upper bound's hit rate; with
-/// them, 167 (2.50) at 98.7%.
+/// them, 167 (2.50) at 98.7%. With the growth learned apart for first and later turns, 104
+/// (1.56) at 99.8%: the five conversations that start before any has continued still share
+/// the first replica.
 #[test]
 fn conversations_that_start_together_are_started_where_their_growth_will_fit() {
-    let trace = TraceSpec {
-        shape: TraceShape::Conversations,
-        tenants: 24,
-        prompt_words: 150,
-        question_words: 30,
-        rate: 20.0,
-        requests: 400,
-        seed: 13,
-        ..TraceSpec::default()
-    }
-    .generate()
-    .unwrap();
+    let trace = sweep_trace(TraceShape::Conversations, 24, 150, 30, 400, 13);
     let mut config = fleet(900);
     config.replicas = 6;
     config.timing.prefill_ms_per_token = 0.1;
     let bound = upper_bound(&trace, config).unwrap();
     let latency = run(&trace, config, Policy::Latency);
     assert!(
-        latency.hit_rate >= 0.98 * bound.hit_rate,
+        latency.hit_rate >= 0.99 * bound.hit_rate,
         "hit rate {:.3} vs upper bound {:.3}",
         latency.hit_rate,
         bound.hit_rate
     );
     let max = *latency.requests_per_replica.iter().max().unwrap();
     assert!(
-        max * 6 <= 3 * latency.requests,
+        max * 6 * 10 <= 16 * latency.requests,
         "one replica took {max} of {} requests: {:?}",
         latency.requests,
         latency.requests_per_replica
     );
-    let homes = latency
+    assert_eq!(homes(&latency).len(), 6, "{:?}", latency.group_replicas);
+}
+
+/// Replicas that are the home (most requests) of some group.
+fn homes(report: &SimReport) -> std::collections::BTreeSet<usize> {
+    report
         .group_replicas
         .iter()
         .map(|(_, counts)| {
@@ -191,6 +187,110 @@ fn conversations_that_start_together_are_started_where_their_growth_will_fit() {
                 .unwrap()
                 .0
         })
-        .collect::<std::collections::BTreeSet<_>>();
-    assert!(homes.len() >= 3, "{:?}", latency.group_replicas);
+        .collect()
+}
+
+/// `prefixroute trace --shape SHAPE --tenants GROUPS --prompt-words P --question-words Q
+/// --rate 20 --requests N --seed SEED`.
+fn sweep_trace(
+    shape: TraceShape,
+    groups: usize,
+    prompt_words: usize,
+    question_words: usize,
+    requests: usize,
+    seed: u64,
+) -> Vec<TraceRecord> {
+    spec(shape, groups, prompt_words, question_words, requests, seed)
+        .generate()
+        .unwrap()
+}
+
+fn spec(
+    shape: TraceShape,
+    groups: usize,
+    prompt_words: usize,
+    question_words: usize,
+    requests: usize,
+    seed: u64,
+) -> TraceSpec {
+    TraceSpec {
+        shape,
+        tenants: groups,
+        prompt_words,
+        question_words,
+        rate: 20.0,
+        requests,
+        seed,
+        ..TraceSpec::default()
+    }
+}
+
+/// Asserts that `latency` routes `trace` at the upper bound: hit rate at least `hit` of its
+/// and TTFT p95 at most `p95` times its.
+fn at_the_upper_bound(trace: &[TraceRecord], config: SimConfig, hit: f64, p95: f64) -> SimReport {
+    let bound = upper_bound(trace, config).unwrap();
+    let latency = run(trace, config, Policy::Latency);
+    assert!(
+        latency.hit_rate >= hit * bound.hit_rate,
+        "hit rate {:.3} vs upper bound {:.3}",
+        latency.hit_rate,
+        bound.hit_rate
+    );
+    assert!(
+        latency.ttft_p95_ms <= p95 * bound.ttft_p95_ms,
+        "TTFT p95 {:.1} ms vs upper bound {:.1} ms: {:?}",
+        latency.ttft_p95_ms,
+        bound.ttft_p95_ms,
+        latency.requests_per_replica
+    );
+    latency
+}
+
+/// A gateway that carries tenants' questions and conversations at once: the sweep's tenants
+/// (24 tenants, ~750-token system prompts) and conversations (24, sharing a ~190-token one)
+/// merged by time, over eight replicas of 900 blocks. Half of the requests are questions that
+/// are never followed; one share of continuing requests for both says conversations are two
+/// turns long, so their growth went unpriced and they piled onto the replica holding their
+/// system prompt until it thrashed. Measured before the growth was learned apart for first
+/// and later turns: 89.7% of the bound's hit rate and TTFT p95 102.8 ms against its 18.1 at
+/// 0.1 ms/token (97.6%, 271.0 against 70.5 ms at 0.5); after: 99.9% and 18.1 ms (99.6%, 71.5).
+#[test]
+fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
+    let mut trace = sweep_trace(TraceShape::Tenants, 24, 600, 40, 400, 11);
+    trace.extend(sweep_trace(TraceShape::Conversations, 24, 150, 30, 400, 13));
+    trace.sort_by(|a, b| a.t.total_cmp(&b.t));
+    for cost in [0.1, 0.5] {
+        let mut config = fleet(900);
+        config.replicas = 8;
+        config.timing.prefill_ms_per_token = cost;
+        let latency = at_the_upper_bound(&trace, config, 0.99, 1.1);
+        assert!(
+            latency.groups_on_one * 20 >= latency.groups * 19,
+            "{cost} ms/token: {:?}",
+            latency.group_replicas
+        );
+    }
+}
+
+/// Conversations whose shared system prompt is long (40 of them, ~750 tokens, eight replicas
+/// of 1,500 blocks): starting a conversation away from the prompt costs 47 blocks of prefill,
+/// so without their growth priced they all started next to it, and at 1 ms/token that
+/// replica's queue set the tail. Measured before the growth was learned apart for first and
+/// later turns: one replica took 263 of 600 requests, 97.2% of the bound's hit rate, TTFT p95
+/// 235.1 ms against its 171.0; after: 99.7% and 172.0 ms.
+#[test]
+fn conversations_with_a_long_shared_prompt_do_not_queue_behind_it() {
+    // `prefixroute trace --shape conversations --tenants 40 --prompt-words 600
+    // --question-words 40 --rate 30 --requests 600 --seed 22`
+    let trace = TraceSpec {
+        rate: 30.0,
+        ..spec(TraceShape::Conversations, 40, 600, 40, 600, 22)
+    }
+    .generate()
+    .unwrap();
+    let mut config = fleet(1500);
+    config.replicas = 8;
+    config.timing.prefill_ms_per_token = 1.0;
+    let latency = at_the_upper_bound(&trace, config, 0.99, 1.05);
+    assert_eq!(latency.groups_on_one, latency.groups);
 }

@@ -1,13 +1,15 @@
-//! One endpoint's believed blocks: an LRU set of block hashes, each with an end mark and the
-//! number of blocks it stands for (see [`super::record_positions`]), in about 22 bytes per
-//! entry.
+//! One endpoint's believed blocks: an LRU set of block hashes, each with an end mark (and the
+//! [`Turn`] of the request that ended there) and the number of blocks it stands for (see
+//! [`super::record_positions`]), in about 22 bytes per entry.
 //!
 //! A general LRU map (`lru::LruCache<u64, bool>`) spends ~68 bytes per entry: a heap node per
 //! entry with two pointers, plus a hash table of pointers. Here every block is one 16-byte node
-//! in a vector (its hash and two 4-byte list links), the end marks are a bit each, and the hash
+//! in a vector (its hash and two 4-byte list links), the end marks are two bits each, and the hash
 //! table is open addressing over 4-byte node numbers, kept at most 7/8 full (linear probing,
 //! deletion by backward shift, so no tombstones). The keys are block hashes (xxh64), spread by
 //! one multiply before they pick a home slot so that small test keys spread too.
+
+use super::Turn;
 
 const NIL: u32 = u32::MAX;
 
@@ -25,6 +27,8 @@ pub(crate) struct BlockLru {
     nodes: Vec<Node>,
     /// One bit per node: a recorded request's full blocks ended at that block.
     ends: Vec<u64>,
+    /// One bit per node, set with its end bit: that request was a [`Turn::Later`].
+    later: Vec<u64>,
     /// Per node, the blocks it stands for (0 to 255): the capacity counts blocks, not nodes.
     weights: Vec<u8>,
     /// Sum of `weights`.
@@ -47,6 +51,7 @@ impl BlockLru {
         BlockLru {
             nodes: Vec::new(),
             ends: Vec::new(),
+            later: Vec::new(),
             weights: Vec::new(),
             blocks: 0,
             slots: vec![NIL; table_for(capacity.clamp(1, 64))],
@@ -165,17 +170,28 @@ impl BlockLru {
         self.head = node as u32;
     }
 
-    fn end(&self, node: usize) -> bool {
-        self.ends[node / 64] >> (node % 64) & 1 == 1
+    fn end(&self, node: usize) -> Option<Turn> {
+        let bit = |words: &[u64]| words[node / 64] >> (node % 64) & 1 == 1;
+        bit(&self.ends).then(|| {
+            if bit(&self.later) {
+                Turn::Later
+            } else {
+                Turn::First
+            }
+        })
     }
 
-    fn set_end(&mut self, node: usize, end: bool) {
+    fn set_end(&mut self, node: usize, end: Option<Turn>) {
         let bit = 1u64 << (node % 64);
-        if end {
-            self.ends[node / 64] |= bit;
-        } else {
-            self.ends[node / 64] &= !bit;
-        }
+        let set = |words: &mut [u64], on: bool| {
+            if on {
+                words[node / 64] |= bit;
+            } else {
+                words[node / 64] &= !bit;
+            }
+        };
+        set(&mut self.ends, end.is_some());
+        set(&mut self.later, end == Some(Turn::Later));
     }
 
     fn grow_table(&mut self) {
@@ -223,9 +239,10 @@ impl BlockLru {
             self.blocks += usize::from(weight);
             if self.nodes.len() > self.ends.len() * 64 {
                 self.ends.push(0);
+                self.later.push(0);
             }
             let node = self.nodes.len() - 1;
-            self.set_end(node, false);
+            self.set_end(node, None);
             self.place(node as u32);
             self.push_front(node);
         }
@@ -242,14 +259,15 @@ impl BlockLru {
     }
 
     /// The end mark of `hash`, without making it more recent; `None` when not held.
-    pub(crate) fn peek_end(&self, hash: u64) -> Option<bool> {
+    pub(crate) fn peek_end(&self, hash: u64) -> Option<Option<Turn>> {
         self.find(hash).map(|node| self.end(node))
     }
 
-    /// Sets the end mark of `hash` if held, without making it more recent.
-    pub(crate) fn mark_end(&mut self, hash: u64) {
+    /// Marks that a `turn` request's full blocks ended at `hash`, if held, without making it
+    /// more recent.
+    pub(crate) fn mark_end(&mut self, hash: u64, turn: Turn) {
         if let Some(node) = self.find(hash) {
-            self.set_end(node, true);
+            self.set_end(node, Some(turn));
         }
     }
 
@@ -283,7 +301,7 @@ impl BlockLru {
             }
             self.set_end(node, end);
         }
-        self.set_end(last, false);
+        self.set_end(last, None);
         self.nodes.pop();
         self.weights.pop();
     }
@@ -312,7 +330,7 @@ impl BlockLru {
             self.capacity = capacity;
             return;
         }
-        let kept: Vec<(u64, bool, u8)> = {
+        let kept: Vec<(u64, Option<Turn>, u8)> = {
             let mut out = Vec::new();
             let (mut node, mut blocks) = (self.head, 0);
             while node != NIL {
@@ -330,8 +348,8 @@ impl BlockLru {
         // Oldest first, so the most recent ends at the front again.
         for &(hash, end, weight) in kept.iter().rev() {
             self.touch_weighted(hash, usize::from(weight));
-            if end {
-                self.mark_end(hash);
+            if let Some(turn) = end {
+                self.mark_end(hash, turn);
             }
         }
     }
@@ -346,7 +364,7 @@ mod tests {
     /// The obvious weighted LRU: a deque of (hash, end, weight), most recent first.
     #[derive(Default)]
     struct Model {
-        order: VecDeque<(u64, bool, usize)>,
+        order: VecDeque<(u64, Option<Turn>, usize)>,
         capacity: usize,
     }
 
@@ -358,7 +376,7 @@ mod tests {
         fn touch(&mut self, hash: u64, weight: usize) {
             let end = match self.order.iter().position(|e| e.0 == hash) {
                 Some(pos) => self.order.remove(pos).unwrap().1,
-                None => false,
+                None => None,
             };
             self.order.push_front((hash, end, weight));
             while (self.blocks() > self.capacity || self.order.len() > 2 * self.capacity)
@@ -388,7 +406,7 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Touch(u64, usize),
-        Mark(u64),
+        Mark(u64, Turn),
         Remove(u64),
         Resize(usize),
         Clear,
@@ -399,7 +417,8 @@ mod tests {
         prop_oneof![
             6 => (0u64..40).prop_map(|h| Op::Touch(h, 1)),
             2 => (0u64..40, 0usize..6).prop_map(|(h, w)| Op::Touch(h, w)),
-            2 => (0u64..40).prop_map(Op::Mark),
+            2 => (0u64..40, any::<bool>())
+                .prop_map(|(h, later)| Op::Mark(h, if later { Turn::Later } else { Turn::First })),
             3 => (0u64..40).prop_map(Op::Remove),
             1 => (1usize..20).prop_map(Op::Resize),
             1 => Just(Op::Clear),
@@ -414,9 +433,9 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Touch(h, w) => { lru.touch_weighted(h, w); model.touch(h, w); }
-                    Op::Mark(h) => {
-                        lru.mark_end(h);
-                        if let Some(e) = model.order.iter_mut().find(|e| e.0 == h) { e.1 = true; }
+                    Op::Mark(h, turn) => {
+                        lru.mark_end(h, turn);
+                        if let Some(e) = model.order.iter_mut().find(|e| e.0 == h) { e.1 = Some(turn); }
                     }
                     Op::Resize(c) => {
                         lru.resize(c);
