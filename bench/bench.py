@@ -10,8 +10,9 @@ Sections:
   cache   the same traces through each router in front of fresh fake vLLM replicas; hit rate
           from the replicas' own counters, TTFT, load spread, groups kept on one replica, and a
           one-server unlimited-cache upper bound per trace.
-  sweep   where prefill hurts: tenants, a hot tenant, conversations, RAG and a trace with
-          nothing shared, each at 0.1, 0.5 and 1 ms per uncached token, with caches that hold
+  sweep   where prefill hurts: tenants, a hot tenant, conversations, tenants and
+          conversations on one gateway, RAG and a trace with nothing shared, each at 0.1, 0.5
+          and 1 ms per uncached token, with caches that hold
           a third to a half of the groups; the latency targets checked per trace and cost.
   cost    wrk (closed loop) against a zero-latency backend at 1, 8 and 64 KB bodies: unloaded
           latency (1 connection) and throughput (many connections), as ratios to Envoy RR.
@@ -117,6 +118,13 @@ SWEEP_SCENARIOS = {
         "title": "24 conversations sharing a ~190-token system prompt, growing every turn",
         "trace": {"shape": "conversations", "tenants": 24, "prompt-words": 150,
                   "question-words": 30, "rate": 20, "requests": 400, "seed": 13},
+        "quick_requests": 200, "replicas": 6, "kv_blocks": 900, "lanes": 4,
+        "splittable": True, "shared": True,
+    },
+    "mixed": {
+        "title": "16 tenants' questions and 16 conversations on one gateway (~500-token system prompts); caches hold a third of the groups",
+        "trace": {"shape": "mixed", "tenants": 16, "prompt-words": 400, "question-words": 30,
+                  "rate": 20, "requests": 400, "seed": 16},
         "quick_requests": 200, "replicas": 6, "kv_blocks": 900, "lanes": 4,
         "splittable": True, "shared": True,
     },

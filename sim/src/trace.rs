@@ -35,6 +35,20 @@ pub enum TraceShape {
     /// Nothing shared: every request is a new prompt of `prompt_words` words (its group is
     /// the request itself), as batch jobs and first messages of new users are.
     Unique,
+    /// One gateway carrying two workloads at once: `tenants` tenants asking questions under
+    /// their own system prompts and `tenants` conversations sharing one, each request a
+    /// tenant's question or a conversation's next turn with even odds.
+    Mixed,
+}
+
+impl TraceShape {
+    pub const ALL: [TraceShape; 5] = [
+        TraceShape::Tenants,
+        TraceShape::Conversations,
+        TraceShape::Rag,
+        TraceShape::Unique,
+        TraceShape::Mixed,
+    ];
 }
 
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -53,7 +67,8 @@ pub enum TraceError {
 #[serde(default)]
 pub struct TraceSpec {
     pub shape: TraceShape,
-    /// Groups: tenants, conversations or documents.
+    /// Groups: tenants, conversations or documents (`mixed`: as many tenants as
+    /// conversations).
     pub tenants: usize,
     pub prompt_words: usize,
     pub question_words: usize,
@@ -317,7 +332,7 @@ impl TraceSpec {
         );
         let group_texts: Vec<String> = (0..self.tenants)
             .map(|i| match self.shape {
-                TraceShape::Tenants => format!(
+                TraceShape::Tenants | TraceShape::Mixed => format!(
                     "You are the assistant of tenant {i}. {}",
                     words(&mut rng, self.prompt_words)
                 ),
@@ -336,7 +351,12 @@ impl TraceSpec {
             }
             let g = self.pick_group(&mut rng);
             let question = words(&mut rng, self.question_words.max(1));
-            let (group, messages) = match self.shape {
+            let shape = match self.shape {
+                TraceShape::Mixed if rng.gen_bool(0.5) => TraceShape::Tenants,
+                TraceShape::Mixed => TraceShape::Conversations,
+                shape => shape,
+            };
+            let (group, messages) = match shape {
                 TraceShape::Unique => (
                     format!("request-{index}"),
                     vec![json!({
@@ -359,7 +379,8 @@ impl TraceSpec {
                         json!({"role": "user", "content": format!("{}\n\nQuestion: {question}", group_texts[g])}),
                     ],
                 ),
-                TraceShape::Conversations => {
+                // (`mixed` picked one of the two above.)
+                TraceShape::Conversations | TraceShape::Mixed => {
                     let history = &mut conversations[g];
                     if history.is_empty() {
                         history.push(json!({"role": "system", "content": shared_system}));
@@ -514,6 +535,51 @@ mod tests {
             .map(|r| r.body["messages"].as_array().unwrap().len())
             .collect();
         assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+    }
+
+    #[test]
+    fn mixed_traces_carry_tenants_questions_and_growing_conversations() {
+        let spec = TraceSpec {
+            shape: TraceShape::Mixed,
+            tenants: 3,
+            requests: 400,
+            ..TraceSpec::default()
+        };
+        let trace = spec.generate().unwrap();
+        let tenants: Vec<&TraceRecord> = trace
+            .iter()
+            .filter(|r| r.group.starts_with("tenant-"))
+            .collect();
+        // Even odds: 400 fair coins land within 60 of 200 (more than 6 standard deviations).
+        assert!((140..=260).contains(&tenants.len()), "{}", tenants.len());
+        let system = |r: &TraceRecord| {
+            r.body["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        };
+        // A tenant's questions share its own system prompt and never grow...
+        for r in &tenants {
+            let messages = r.body["messages"].as_array().unwrap();
+            assert_eq!(messages.len(), 2);
+            let tenant = r.group.trim_start_matches("tenant-");
+            assert!(
+                system(r).contains(&format!("tenant {tenant}.")),
+                "{}",
+                system(r)
+            );
+        }
+        // ...while conversations share one system prompt, unlike any tenant's, and grow.
+        let conv: Vec<&TraceRecord> = trace.iter().filter(|r| r.group == "conv-0").collect();
+        assert!(conv.len() > 10);
+        assert!(conv.iter().all(|r| system(r) == system(conv[0])));
+        assert!(tenants.iter().all(|r| system(r) != system(conv[0])));
+        let lens: Vec<usize> = conv
+            .iter()
+            .map(|r| r.body["messages"].as_array().unwrap().len())
+            .collect();
+        assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+        assert_eq!(TraceShape::ALL.len(), 5);
     }
 
     #[test]

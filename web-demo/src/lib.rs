@@ -48,15 +48,10 @@ pub struct Settings {
 
 /// Core's defaults and choices, for the page's controls.
 pub fn defaults() -> Value {
-    let shapes: Vec<Value> = [
-        TraceShape::Tenants,
-        TraceShape::Conversations,
-        TraceShape::Rag,
-        TraceShape::Unique,
-    ]
-    .iter()
-    .map(|s| serde_json::to_value(s).unwrap_or(Value::Null))
-    .collect();
+    let shapes: Vec<Value> = TraceShape::ALL
+        .iter()
+        .map(|s| serde_json::to_value(s).unwrap_or(Value::Null))
+        .collect();
     json!({
         "trace": TraceSpec::default(),
         "sim": SimConfig::default(),
@@ -640,6 +635,7 @@ mod tests {
         assert_eq!(d["sim"]["router"]["policy"], "latency");
         assert_eq!(d["shapes"][2], "rag");
         assert_eq!(d["shapes"][3], "unique");
+        assert_eq!(d["shapes"][4], "mixed");
         assert_eq!(d["sim"]["router"]["weights"]["prefix"], 3.0);
         assert_eq!(
             d["policy_scorers"]["prefix"],

@@ -797,7 +797,7 @@ function renderLegend() {
     box.append(h('span', { class: 'key' }, h('i', { class: 'cell full', style: `--c:${groupColor(g)}` }), name));
   }
   if (groups.length > shown.length) box.append(h('span', { class: 'key muted' }, `+${groups.length - shown.length} more`));
-  if (app.info.config && app.settings.trace.shape === 'conversations') {
+  if (app.info.config && ['conversations', 'mixed'].includes(app.settings.trace.shape)) {
     box.append(h('span', { class: 'key' }, h('i', { class: 'cell full', style: `--c:${SHARED_COLOR}` }), 'shared'));
   }
   box.append(

@@ -11,7 +11,8 @@ pub struct Args {
     /// What the trace exercises.
     #[arg(long, value_enum, default_value = "tenants")]
     shape: Shape,
-    /// Groups: tenants, conversations or documents (unused by `unique`).
+    /// Groups: tenants, conversations or documents (unused by `unique`; `mixed`: as many
+    /// tenants as conversations).
     #[arg(long, default_value_t = 8)]
     tenants: usize,
     /// Words in each tenant's system prompt (or each document).
@@ -42,6 +43,8 @@ enum Shape {
     Rag,
     /// Nothing shared: every request a new prompt.
     Unique,
+    /// Tenants' questions and conversations on one gateway, half the requests each.
+    Mixed,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -51,6 +54,7 @@ pub fn run(args: Args) -> Result<()> {
             Shape::Conversations => TraceShape::Conversations,
             Shape::Rag => TraceShape::Rag,
             Shape::Unique => TraceShape::Unique,
+            Shape::Mixed => TraceShape::Mixed,
         },
         tenants: args.tenants,
         prompt_words: args.prompt_words,
