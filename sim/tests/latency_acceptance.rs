@@ -152,7 +152,9 @@ fn the_upper_bound_is_one_server_that_never_evicts() {
 /// the first replica.
 #[test]
 fn conversations_that_start_together_are_started_where_their_growth_will_fit() {
-    let trace = sweep_trace(TraceShape::Conversations, 24, 150, 30, 400, 13);
+    let trace = spec(TraceShape::Conversations, 24, 150, 30, 400, 13)
+        .generate()
+        .unwrap();
     let mut config = fleet(900);
     config.replicas = 6;
     config.timing.prefill_ms_per_token = 0.1;
@@ -191,20 +193,7 @@ fn homes(report: &SimReport) -> std::collections::BTreeSet<usize> {
 }
 
 /// `prefixroute trace --shape SHAPE --tenants GROUPS --prompt-words P --question-words Q
-/// --rate 20 --requests N --seed SEED`.
-fn sweep_trace(
-    shape: TraceShape,
-    groups: usize,
-    prompt_words: usize,
-    question_words: usize,
-    requests: usize,
-    seed: u64,
-) -> Vec<TraceRecord> {
-    spec(shape, groups, prompt_words, question_words, requests, seed)
-        .generate()
-        .unwrap()
-}
-
+/// --rate 20 --requests N --seed SEED`, generated with [`TraceSpec::generate`].
 fn spec(
     shape: TraceShape,
     groups: usize,
@@ -256,8 +245,14 @@ fn at_the_upper_bound(trace: &[TraceRecord], config: SimConfig, hit: f64, p95: f
 /// 0.1 ms/token (97.6%, 271.0 against 70.5 ms at 0.5); after: 99.9% and 18.1 ms (99.6%, 71.5).
 #[test]
 fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
-    let mut trace = sweep_trace(TraceShape::Tenants, 24, 600, 40, 400, 11);
-    trace.extend(sweep_trace(TraceShape::Conversations, 24, 150, 30, 400, 13));
+    let mut trace = spec(TraceShape::Tenants, 24, 600, 40, 400, 11)
+        .generate()
+        .unwrap();
+    trace.extend(
+        spec(TraceShape::Conversations, 24, 150, 30, 400, 13)
+            .generate()
+            .unwrap(),
+    );
     trace.sort_by(|a, b| a.t.total_cmp(&b.t));
     for cost in [0.1, 0.5] {
         let mut config = fleet(900);
