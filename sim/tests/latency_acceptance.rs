@@ -16,24 +16,16 @@ use prefixroute_core::config::Policy;
 use prefixroute_sim::simulation::{simulate, upper_bound, SimConfig, SimReport};
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
+/// The traces: 200 requests at 20/s, seed 5.
 fn trace(
     shape: TraceShape,
     groups: usize,
     prompt_words: usize,
     question_words: usize,
 ) -> Vec<TraceRecord> {
-    TraceSpec {
-        shape,
-        tenants: groups,
-        prompt_words,
-        question_words,
-        rate: 20.0,
-        requests: 200,
-        seed: 5,
-        ..TraceSpec::default()
-    }
-    .generate()
-    .unwrap()
+    spec(shape, groups, prompt_words, question_words, 200, 5)
+        .generate()
+        .unwrap()
 }
 
 /// `simulate TRACE --cache-blocks N --slots 4 --decode-ms-per-token 0` with its defaults.
