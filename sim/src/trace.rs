@@ -77,6 +77,11 @@ pub struct TraceSpec {
     pub requests: usize,
     /// Share of traffic for group 0; the rest is spread evenly over the others.
     pub hot: Option<f64>,
+    /// Turns after which a conversation ends; its next request starts a new conversation
+    /// (a new group under the same shared system prompt). `None`: conversations never end,
+    /// so over a long trace every one outgrows any cache; real chats end, and a gateway that
+    /// runs for hours sees groups come and go.
+    pub turns: Option<usize>,
     pub model: String,
     pub max_tokens: u32,
     pub seed: u64,
@@ -92,6 +97,7 @@ impl Default for TraceSpec {
             rate: 20.0,
             requests: 64,
             hot: None,
+            turns: None,
             model: "cc-sim".into(),
             max_tokens: 16,
             seed: 42,
@@ -303,6 +309,9 @@ impl TraceSpec {
                 return invalid("hot", "a share in 0..1");
             }
         }
+        if self.turns == Some(0) {
+            return invalid("turns", "at least 1");
+        }
         if self.question_words == 0 && self.prompt_words == 0 {
             return invalid("prompt_words", "at least 1 (with question_words)");
         }
@@ -341,6 +350,8 @@ impl TraceSpec {
             })
             .collect();
         let mut conversations: Vec<Vec<Value>> = vec![Vec::new(); self.tenants];
+        // How many conversations each slot has ended (with `turns`): the next one's name.
+        let mut ended = vec![0usize; self.tenants];
         let mut t = 0.0f64;
         let mut records = Vec::with_capacity(self.requests);
         for index in 0..self.requests {
@@ -382,6 +393,12 @@ impl TraceSpec {
                 // (`mixed` picked one of the two above.)
                 TraceShape::Conversations | TraceShape::Mixed => {
                     let history = &mut conversations[g];
+                    // A turn is a question and (after the first) the answer before it.
+                    let turns_so_far = history.len() / 2;
+                    if self.turns.is_some_and(|max| turns_so_far >= max) {
+                        history.clear();
+                        ended[g] += 1;
+                    }
                     if history.is_empty() {
                         history.push(json!({"role": "system", "content": shared_system}));
                     } else {
@@ -389,7 +406,12 @@ impl TraceSpec {
                         history.push(json!({"role": "assistant", "content": answer}));
                     }
                     history.push(json!({"role": "user", "content": question}));
-                    (format!("conv-{g}"), history.clone())
+                    // The first conversation of a slot keeps the name traces always had.
+                    let group = match ended[g] {
+                        0 => format!("conv-{g}"),
+                        n => format!("conv-{g}.{n}"),
+                    };
+                    (group, history.clone())
                 }
             };
             records.push(TraceRecord {
@@ -535,6 +557,58 @@ mod tests {
             .map(|r| r.body["messages"].as_array().unwrap().len())
             .collect();
         assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+    }
+
+    #[test]
+    fn conversations_with_a_turn_limit_end_and_new_ones_take_their_slot() {
+        let spec = TraceSpec {
+            shape: TraceShape::Conversations,
+            tenants: 2,
+            requests: 40,
+            turns: Some(3),
+            ..TraceSpec::default()
+        };
+        let trace = spec.generate().unwrap();
+        let messages = |r: &TraceRecord| r.body["messages"].as_array().unwrap().clone();
+        let mut groups: Vec<&str> = trace.iter().map(|r| r.group.as_str()).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        assert!(groups.len() > 4, "{groups:?}");
+        let system = messages(&trace[0])[0].clone();
+        for group in groups {
+            let conv: Vec<&TraceRecord> = trace.iter().filter(|r| r.group == group).collect();
+            assert!(conv.len() <= 3, "{group}: {} turns", conv.len());
+            // Each conversation starts over from the shared system prompt and grows by a turn.
+            let lens: Vec<usize> = conv.iter().map(|r| messages(r).len()).collect();
+            assert_eq!(lens[0], 2, "{group}: {lens:?}");
+            assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
+            assert!(conv.iter().all(|r| messages(r)[0] == system));
+        }
+    }
+
+    #[test]
+    fn a_turn_limit_no_conversation_reaches_leaves_the_trace_as_it_was() {
+        let spec = TraceSpec {
+            shape: TraceShape::Mixed,
+            tenants: 3,
+            requests: 200,
+            ..TraceSpec::default()
+        };
+        let limited = TraceSpec {
+            turns: Some(200),
+            ..spec.clone()
+        };
+        assert_eq!(spec.generate().unwrap(), limited.generate().unwrap());
+        let ended = TraceSpec {
+            turns: Some(2),
+            ..spec.clone()
+        };
+        assert_ne!(spec.generate().unwrap(), ended.generate().unwrap());
+        let zero = TraceSpec {
+            turns: Some(0),
+            ..spec
+        };
+        assert!(zero.generate().is_err());
     }
 
     #[test]
