@@ -128,6 +128,16 @@ SWEEP_SCENARIOS = {
         "quick_requests": 200, "replicas": 6, "kv_blocks": 900, "lanes": 4,
         "splittable": True, "shared": True,
     },
+    # The other traces are a few hundred requests: what a router counts in its first seconds
+    # is most of what it sees. Here conversations end after 8 turns and new ones take their
+    # slots, so groups keep coming and going for a minute.
+    "long": {
+        "title": "a long-lived gateway: `mixed` whose conversations end after 8 turns and new ones start, 1,200 requests",
+        "trace": {"shape": "mixed", "tenants": 16, "prompt-words": 400, "question-words": 30,
+                  "rate": 20, "requests": 1200, "seed": 17, "turns": 8},
+        "quick_requests": 400, "replicas": 6, "kv_blocks": 900, "lanes": 4,
+        "splittable": True, "shared": True,
+    },
     "rag": {
         "title": "8 documents of ~1,900 tokens over 6 replicas caching 3 documents each",
         "trace": {"shape": "rag", "tenants": 8, "prompt-words": 1500, "question-words": 20,
