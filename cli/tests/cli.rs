@@ -47,6 +47,37 @@ fn trace_is_deterministic_and_seed_dependent() {
     assert_eq!(read(&a).lines().count(), 64);
 }
 
+#[test]
+fn trace_turns_ends_conversations_and_rejects_zero_with_a_clear_error() {
+    let path = temp("turns.jsonl");
+    let path = path.to_str().unwrap();
+    let out = prefixroute(&[
+        "trace",
+        "--shape",
+        "conversations",
+        "--tenants",
+        "2",
+        "--requests",
+        "30",
+        "--turns",
+        "3",
+        "-o",
+        path,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(r#""group":"conv-0.1""#), "{text}");
+
+    let out = prefixroute(&["trace", "--shape", "mixed", "--turns", "0", "-o", path]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("turns must be at least 1"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+}
+
 fn simulate_rows(trace: &std::path::Path, extra: &[&str]) -> Vec<Vec<String>> {
     let mut args = vec!["simulate", trace.to_str().unwrap()];
     args.extend_from_slice(extra);

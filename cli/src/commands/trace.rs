@@ -30,8 +30,8 @@ pub struct Args {
     hot: Option<f64>,
     /// Conversations end after this many turns and a new one takes the slot (`conversations`
     /// and `mixed`); without it they grow for the whole trace.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    turns: Option<u64>,
+    #[arg(long)]
+    turns: Option<usize>,
     #[arg(long, default_value = "cc-sim")]
     model: String,
     #[arg(long, default_value_t = 16)]
@@ -66,7 +66,7 @@ pub fn run(args: Args) -> Result<()> {
         rate: args.rate,
         requests: args.requests,
         hot: args.hot,
-        turns: args.turns.map(|t| usize::try_from(t).unwrap_or(usize::MAX)),
+        turns: args.turns,
         model: args.model,
         max_tokens: args.max_tokens,
         seed: args.seed,
