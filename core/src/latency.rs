@@ -342,7 +342,8 @@ impl LaneFit {
             let predicted = config.overhead_ms
                 + observation.ms_per_token * (observation.uncached_tokens + wait.tokens)
                 + wait.hold_ms;
-            let miss = (predicted.max(1e-3) / obs).ln();
+            // libm's log, as `decay`'s exp: the same bits natively and in the plugin.
+            let miss = libm::log(predicted.max(1e-3) / obs);
             miss * miss
         });
         let best = errors.iter().copied().fold(f64::INFINITY, f64::min);
@@ -831,6 +832,27 @@ impl CacheRoom {
         }
         ((self.believed_blocks as f64 + growing) / self.capacity_blocks as f64).min(1.0)
     }
+
+    /// What one more block costs here, in blocks some request will prefill again: the share
+    /// `p` of the cache in use once `growing` more blocks arrive, as long as it fits (the
+    /// chance the block displaces one that is needed); past full, `2 − 1/p`: every block
+    /// displaces a needed one, and its own group's blocks are pushed out before they are
+    /// used again with the chance `1 − 1/p`. So an over-full cache still weighs less than a
+    /// fuller one (the price stays a gradient where every cache is promised more than it
+    /// holds), bounded by 2, and smooth at full.
+    pub fn pressure_with(&self, growing: f64) -> f64 {
+        if self.capacity_blocks == 0 {
+            return 0.0;
+        }
+        let p = (self.believed_blocks as f64 + growing) / self.capacity_blocks as f64;
+        if p.is_nan() || p <= 0.0 {
+            0.0
+        } else if p <= 1.0 {
+            p
+        } else {
+            2.0 - 1.0 / p
+        }
+    }
 }
 
 /// What holds an endpoint's lanes when a request arrives: requests in flight there, the
@@ -926,6 +948,15 @@ pub struct GroupGrowth {
     pub further_turns: f64,
     /// Blocks the continuing requests added.
     pub added_blocks: f64,
+    /// Continuations whose gap was measured (the time since the request they continued).
+    pub gaps: f64,
+    /// The sum of those gaps, ms.
+    pub gap_ms: f64,
+    /// First turns too recent to have been followed yet: each counts `exp(−age / gap)`, the
+    /// chance its follow-up, if any, is still to come ([`Self::first_share`]).
+    pub recent_first: f64,
+    /// The instant (ms) `recent_first` is decayed to.
+    pub at_ms: f64,
 }
 
 /// How fast [`GroupGrowth`] forgets: each request keeps this share of the old evidence
@@ -938,14 +969,25 @@ const MAX_CONTINUATION_SHARE: f64 = 0.95;
 
 impl GroupGrowth {
     /// Learns from one routed request: `continued` is the turn of the request it continued, if
-    /// any; `new_blocks` the blocks it added to its group.
-    pub fn observe(&mut self, continued: Option<Turn>, new_blocks: usize) {
+    /// any; `new_blocks` the blocks it added to its group; `now_ms` when it was routed (the
+    /// router's clock; one that goes back counts as no time passing).
+    pub fn observe(&mut self, continued: Option<Turn>, new_blocks: usize, now_ms: f64) {
+        let waiting = decay(now_ms - self.at_ms, self.mean_gap_ms());
+        if now_ms > self.at_ms {
+            self.at_ms = now_ms;
+        }
+        self.recent_first *= GROWTH_KEEP * waiting;
         self.first_turns *= GROWTH_KEEP;
         self.second_turns *= GROWTH_KEEP;
         self.further_turns *= GROWTH_KEEP;
         self.added_blocks *= GROWTH_KEEP;
+        self.gaps *= GROWTH_KEEP;
+        self.gap_ms *= GROWTH_KEEP;
         match continued {
-            None => self.first_turns += 1.0,
+            None => {
+                self.first_turns += 1.0;
+                self.recent_first += 1.0;
+            }
             Some(turn) => {
                 match turn {
                     Turn::First => self.second_turns += 1.0,
@@ -959,6 +1001,10 @@ impl GroupGrowth {
             self.second_turns,
             self.further_turns,
             self.added_blocks,
+            self.gaps,
+            self.gap_ms,
+            self.recent_first,
+            self.at_ms,
         ]
         .iter()
         .all(|v| v.is_finite())
@@ -974,6 +1020,32 @@ impl GroupGrowth {
         self.second_turns += finite_or_zero(other.second_turns);
         self.further_turns += finite_or_zero(other.further_turns);
         self.added_blocks += finite_or_zero(other.added_blocks);
+        self.gaps += finite_or_zero(other.gaps);
+        self.gap_ms += finite_or_zero(other.gap_ms);
+        // Each as of its own last request; a proxy's workers route within milliseconds of
+        // each other, so the sum is taken as of the latest.
+        self.recent_first += finite_or_zero(other.recent_first);
+        if other.at_ms.is_finite() && other.at_ms > self.at_ms {
+            self.at_ms = other.at_ms;
+        }
+    }
+
+    /// Learns one measured gap: a request continued one sent `gap_ms` before it. Absurd values
+    /// (negative, not finite, beyond [`MAX_GAP_MS`]) are not evidence.
+    pub fn observe_gap(&mut self, gap_ms: f64) {
+        if gap_ms.is_finite() && (0.0..=MAX_GAP_MS).contains(&gap_ms) {
+            self.gaps += 1.0;
+            self.gap_ms += gap_ms;
+        }
+    }
+
+    /// The mean time between a request and its group's next one, ms: the measured gaps blended
+    /// with a prior ([`PRIOR_GAP_MS`], worth [`PRIOR_GAPS`] gaps). It is how long a request
+    /// counts as a live group where it went ([`LiveGroups`]).
+    pub fn mean_gap_ms(&self) -> f64 {
+        let n = finite_or_zero(self.gaps);
+        let sum = finite_or_zero(self.gap_ms);
+        ((sum + PRIOR_GAP_MS * PRIOR_GAPS) / (n + PRIOR_GAPS)).clamp(MIN_GAP_MS, MAX_GAP_MS)
     }
 
     /// Requests that continued an earlier one.
@@ -981,20 +1053,23 @@ impl GroupGrowth {
         finite_or_zero(self.second_turns) + finite_or_zero(self.further_turns)
     }
 
-    /// The chance that a group's first request is followed by another: second turns over first
-    /// turns in the last ~50 requests, blended with a prior ([`PRIOR_FIRST_SHARE`], worth
-    /// [`PRIOR_FIRST_REQUESTS`] requests) and capped.
+    /// The chance that a group's first request is followed by another: second turns over the
+    /// first turns of the last ~50 requests that are old enough to have been followed, blended
+    /// with a prior ([`PRIOR_FIRST_SHARE`], worth [`PRIOR_FIRST_REQUESTS`] requests) and capped.
     ///
-    /// Why a prior: right after groups start (a fleet coming up, a wave of new conversations)
-    /// their second turns have not come yet, so the plain share says groups are short exactly
-    /// when it matters most where they start. Chat is what an OpenAI gateway mostly carries;
-    /// the prior says so until the evidence outweighs it. Where first requests are never
-    /// followed (tenants' questions) the evidence takes it down within a few dozen requests,
-    /// and without continuations the growth is zero whatever the share.
+    /// Old enough: a first turn sent a moment ago has had no time to be followed, so it counts
+    /// `1 − exp(−age / gap)` of a trial, the chance its follow-up would have come by now
+    /// ([`Self::mean_gap_ms`]; the rest is `recent_first`). Without that, right after groups
+    /// start (a fleet coming up, a wave of new conversations) the plain share says groups are
+    /// short exactly when it matters most where they start, and a heavy prior had to hold it up
+    /// for good: on a gateway that also carries questions nobody follows (tenants'), that prior
+    /// kept pricing each of them as a conversation to come. Chat is what an OpenAI gateway mostly
+    /// carries; the prior says so until there is evidence.
     pub fn first_share(&self) -> f64 {
+        let exposed = finite_or_zero(self.first_turns) - finite_or_zero(self.recent_first);
         blend(
             finite_or_zero(self.second_turns),
-            finite_or_zero(self.first_turns),
+            exposed.max(0.0),
             PRIOR_FIRST_SHARE,
             PRIOR_FIRST_REQUESTS,
         )
@@ -1033,7 +1108,9 @@ impl GroupGrowth {
         }
     }
 
-    /// A continuation's mean size in blocks (0 before any was seen).
+    /// A continuation's mean size in blocks (0 before any was seen: a fleet that carries only
+    /// questions nobody follows prices no growth at all; a prior size was tried and dropped,
+    /// see docs/benchmarks.md).
     fn mean_continuation_blocks(&self) -> f64 {
         let continuations = self.continuations();
         if continuations < 1.0 {
@@ -1064,10 +1141,19 @@ fn blend(hits: f64, trials: f64, prior: f64, weight: f64) -> f64 {
     ((hits + weight * prior) / (trials + weight)).clamp(0.0, MAX_CONTINUATION_SHARE)
 }
 
-/// The prior of [`GroupGrowth::first_share`] and its weight in requests (as much as the
-/// estimate's memory holds, so evidence and prior weigh alike once the memory is full).
+/// The prior of [`GroupGrowth::first_share`] and its weight in requests. Light, because the
+/// share counts only first turns old enough to have been followed (see there): right after
+/// groups start, the prior is all there is whatever its weight; later the evidence decides.
 const PRIOR_FIRST_SHARE: f64 = 0.9;
-const PRIOR_FIRST_REQUESTS: f64 = 50.0;
+const PRIOR_FIRST_REQUESTS: f64 = 2.0;
+
+/// The prior of [`GroupGrowth::mean_gap_ms`] and its weight in gaps: a chat user reads and
+/// types for tens of seconds; one measured gap outweighs it.
+const PRIOR_GAP_MS: f64 = 30_000.0;
+const PRIOR_GAPS: f64 = 0.25;
+/// Bounds of the mean gap, ms, and the longest gap taken as evidence (an hour).
+const MIN_GAP_MS: f64 = 10.0;
+const MAX_GAP_MS: f64 = 3_600_000.0;
 
 /// The prior of [`GroupGrowth::later_share`] (the cap) and its weight in continuations (see
 /// there why four times the memory).
@@ -1082,60 +1168,88 @@ fn finite_or_zero(v: f64) -> f64 {
     }
 }
 
+/// What a count keeps after `elapsed_ms` with the time constant `gap_ms`: `exp(−elapsed/gap)`;
+/// all of it when no time passed (or the clock went back, or is not a number), none of it
+/// when the gap is not a positive number.
+pub fn decay(elapsed_ms: f64, gap_ms: f64) -> f64 {
+    if elapsed_ms.is_nan() || elapsed_ms <= 0.0 {
+        return 1.0;
+    }
+    if !gap_ms.is_finite() || gap_ms <= 0.0 {
+        return 0.0;
+    }
+    // libm's, not std's: the plugin (wasm) and core (native) must agree to the last bit.
+    libm::exp(-elapsed_ms / gap_ms)
+}
+
 /// Groups living on each endpoint, as an expected count: the groups whose later requests will
 /// take room in its cache although the belief does not hold those blocks yet.
 ///
 /// The belief's occupancy says how full a cache is now; a replica that has just taken ten new
-/// conversations is nearly empty now and full in a minute. So every group started on an
-/// endpoint counts one there, a group moved elsewhere moves its count, and since a request is
-/// its group's last with probability `1 − f` ([`GroupGrowth::follow_share`]), each request
-/// routed to an endpoint takes `1 − f` off its count: the expected number of groups that ended
-/// there. Counts, not blocks: what each live group will still add is priced when a
-/// decision reads it ([`GroupGrowth::live_group_blocks`]), with what the router knows by then,
-/// so groups started before their growth was learned are priced as soon as it is. The sums are
-/// signed (a proxy adds up every worker's, and one worker may see the continuation of
-/// another's start); a reader takes `max(0, sum)`.
+/// conversations is nearly empty now and full in a minute. Counted by Little's law: the groups
+/// waiting for their next request on an endpoint are the rate at which requests that will be
+/// followed arrive there times how long a group waits, the mean gap between a request and its
+/// group's next ([`GroupGrowth::mean_gap_ms`]). So each request routed to an endpoint adds the
+/// chance it is followed ([`GroupGrowth::follow_share`]) and every count decays with the gap
+/// as its time constant: a request's share is gone about when its follow-up would have come.
+///
+/// Why decay, not bookkeeping: nobody sees a group end. A question that is never followed
+/// (a tenant's, a batch job's) leaves no trace to subtract; counts that waited for one grew
+/// with every such question and, on a long-lived gateway, outgrew every cache (measured in
+/// docs/benchmarks.md: the mixed trace at 2,000 requests fell to 56% of the bound's hit rate).
+/// Counts, not blocks: what each live group will still add is priced when a decision reads it
+/// ([`GroupGrowth::live_group_blocks`]). The sums are linear, so a proxy adds up its workers'
+/// (each decayed to the same instant).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LiveGroups {
     pub count: Vec<f64>,
+    /// The instant (ms, the router's clock) the counts are decayed to.
+    pub at_ms: f64,
 }
 
 impl LiveGroups {
     pub fn new(endpoints: usize) -> Self {
         LiveGroups {
             count: vec![0.0; endpoints],
+            at_ms: 0.0,
         }
     }
 
-    /// The groups expected to live on `endpoint`, never negative.
-    pub fn on(&self, endpoint: usize) -> f64 {
-        self.count
+    /// The groups expected to live on `endpoint` at `now_ms`, never negative.
+    pub fn on(&self, endpoint: usize, now_ms: f64, gap_ms: f64) -> f64 {
+        let v = self
+            .count
             .get(endpoint)
             .copied()
             .filter(|v| v.is_finite())
-            .map_or(0.0, |v| v.max(0.0))
+            .map_or(0.0, |v| v.max(0.0));
+        v * decay(now_ms - self.at_ms, gap_ms)
     }
 
-    /// One routed request: it went to `chosen`; `continued(e)` says where it continued its
-    /// group (where the group lived); `share` is the chance the router believes it is followed
-    /// ([`GroupGrowth::follow_share`]).
-    pub fn observe(&mut self, chosen: usize, continued: impl Fn(usize) -> bool, share: f64) {
-        let ended = if share.is_finite() {
-            1.0 - share.clamp(0.0, 1.0)
+    /// Decays every count to `now_ms` (a clock that went back keeps them as they are).
+    pub fn advance(&mut self, now_ms: f64, gap_ms: f64) {
+        if !now_ms.is_finite() {
+            return;
+        }
+        let keep = decay(now_ms - self.at_ms, gap_ms);
+        for v in &mut self.count {
+            *v = if v.is_finite() { *v * keep } else { 0.0 };
+        }
+        if now_ms > self.at_ms || !self.at_ms.is_finite() {
+            self.at_ms = now_ms;
+        }
+    }
+
+    /// One request routed to `chosen` at `now_ms`, followed with probability `share`.
+    pub fn observe(&mut self, chosen: usize, share: f64, now_ms: f64, gap_ms: f64) {
+        self.advance(now_ms, gap_ms);
+        let share = if share.is_finite() {
+            share.clamp(0.0, 1.0)
         } else {
-            1.0
+            0.0
         };
-        let here = continued(chosen);
-        for (e, v) in self.count.iter_mut().enumerate() {
-            if e == chosen {
-                *v += if here { 0.0 } else { 1.0 } - ended;
-            } else if !here && continued(e) {
-                // The group moves to `chosen`.
-                *v -= 1.0;
-            }
-            if !v.is_finite() {
-                *v = 0.0;
-            }
+        if let Some(v) = self.count.get_mut(chosen) {
+            *v += share;
         }
     }
 
@@ -1146,6 +1260,7 @@ impl LiveGroups {
                 .iter()
                 .map(|old| old.and_then(|o| self.count.get(o).copied()).unwrap_or(0.0))
                 .collect(),
+            at_ms: self.at_ms,
         }
     }
 }
@@ -1229,7 +1344,7 @@ pub fn predict(
     } else {
         0.0
     };
-    let room_blocks = (new_blocks as f64 + future) * room.occupancy_with(growing);
+    let room_blocks = (new_blocks as f64 + future) * room.pressure_with(growing);
     let block_size = hashes.block_size.max(1) as f64;
     let room_ms = room_blocks * block_size * ms_per_token;
     Prediction {
@@ -1472,7 +1587,8 @@ mod tests {
         let s = predict(&h, &[2], half, starting, &idle, &config());
         assert_eq!(s.room_blocks, (8.0 + 30.0) * 0.5);
         // Groups already living here will take 25 more blocks: the cache is three quarters
-        // full for this request's blocks; past full it is full.
+        // full for this request's blocks; past full (5.5 times) each block displaces a needed
+        // one and is itself pushed out before it is used again with the chance 1 - 1/5.5.
         let crowded = Footprint {
             growing_blocks: 25.0,
             ..continuing
@@ -1484,7 +1600,7 @@ mod tests {
             ..continuing
         };
         let o = predict(&h, &[2], half, overfull, &idle, &config());
-        assert_eq!(o.room_blocks, 8.0);
+        assert!((o.room_blocks - 8.0 * (2.0 - 1.0 / 5.5)).abs() < 1e-9);
         let garbage = Footprint {
             growing_blocks: f64::NAN,
             ..continuing
@@ -1817,50 +1933,49 @@ mod tests {
     #[test]
     fn growth_is_learned_from_continuations() {
         let mut growth = GroupGrowth::default();
-        assert_eq!(growth.future_blocks(None), 0.0);
-        // Before any evidence the shares are the priors.
+        // Before any evidence the shares are the priors, and groups add nothing: none was seen
+        // to continue.
         assert_eq!(growth.first_share(), PRIOR_FIRST_SHARE);
         assert_eq!(growth.later_share(), PRIOR_LATER_SHARE);
-        // Tenants: nothing ever continues, so groups add nothing whatever the shares, and the
-        // evidence takes the first share down.
-        for _ in 0..100 {
-            growth.observe(None, 3);
-        }
-        assert_eq!(growth.future_blocks(None), 0.0);
         assert_eq!(growth.live_group_blocks(), 0.0);
-        assert!(growth.first_share() < 0.5, "{growth:?}");
-        // Conversations of four requests each, adding 8 blocks a turn: a first turn is always
-        // followed, a later one two times in three. With a full memory the first share is the
-        // evidence and the prior alike; the later share is mostly the prior.
+        // Conversations of four requests each, a request every 100 ms and a turn a second
+        // after the one it continues, adding 8 blocks a turn: a first turn is always followed,
+        // a later one two times in three.
+        let mut t = 0.0;
         for i in 0..400 {
             let continued = match i % 4 {
                 0 => None,
                 1 => Some(Turn::First),
                 _ => Some(Turn::Later),
             };
-            growth.observe(continued, 8);
+            if continued.is_some() {
+                growth.observe_gap(1000.0);
+            }
+            growth.observe(continued, 8, t);
+            t += 100.0;
         }
         let (f, q) = (growth.first_share(), growth.later_share());
-        // Steady sums: a quarter of the memory are first turns, all followed.
-        assert!(
-            (f - (12.5 + 50.0 * 0.9) / (12.5 + 50.0)).abs() < 0.01,
-            "{growth:?}"
-        );
+        // The measured gaps, with the prior's quarter of a gap still in: within a quarter.
+        assert!((growth.mean_gap_ms() - 1000.0).abs() < 250.0, "{growth:?}");
+        // Every first turn old enough to have been followed was: the share is at the cap.
+        assert!(f > 0.9, "{growth:?}");
         let evidence = 2.0 / 3.0;
         let memory = 0.75 / (1.0 - GROWTH_KEEP);
         let expected = (memory * evidence + 200.0 * 0.95) / (memory + 200.0);
         assert!((q - expected).abs() < 0.01, "{q} vs {expected}: {growth:?}");
         // A live group adds a continuation's size 1 / (1 - q) times; a request adds that with
         // the chance it is followed.
-        assert!((growth.live_group_blocks() - 8.0 / (1.0 - q)).abs() < 1e-9);
-        assert!((growth.future_blocks(None) - f * 8.0 / (1.0 - q)).abs() < 1e-9);
+        let group = growth.live_group_blocks();
+        assert!((group * (1.0 - q) - 8.0).abs() < 1e-9, "{group} {q}");
+        assert!((growth.future_blocks(None) - f * group).abs() < 1e-9);
         assert!(
-            (growth.future_blocks(Some(Turn::First)) - q * 8.0 / (1.0 - q)).abs() < 1e-9,
+            (growth.future_blocks(Some(Turn::First)) - q * group).abs() < 1e-9,
             "a continuing request is followed with the later share"
         );
         // Always continuing is capped: at most 20 more continuations.
         for _ in 0..400 {
-            growth.observe(Some(Turn::Later), 1);
+            growth.observe(Some(Turn::Later), 1, t);
+            t += 100.0;
         }
         assert!(growth.live_group_blocks() <= 20.0 * 1.01, "{growth:?}");
         // Garbage sums are no evidence.
@@ -1869,12 +1984,65 @@ mod tests {
             second_turns: f64::INFINITY,
             further_turns: -1.0,
             added_blocks: -3.0,
+            gaps: f64::NAN,
+            gap_ms: -1.0,
+            recent_first: f64::INFINITY,
+            at_ms: f64::NAN,
         };
         assert_eq!(broken.future_blocks(None), 0.0);
         assert_eq!(broken.live_group_blocks(), 0.0);
+        assert_eq!(broken.mean_gap_ms(), PRIOR_GAP_MS);
         let mut reset = broken;
-        reset.observe(None, 1);
+        reset.observe(None, 1, 5.0);
         assert_eq!(reset, GroupGrowth::default(), "non-finite sums start over");
+    }
+
+    #[test]
+    fn a_first_turn_counts_against_the_first_share_only_once_it_could_have_been_followed() {
+        // Tenants' questions, one a second, never followed.
+        let mut questions = GroupGrowth::default();
+        questions.observe_gap(2000.0); // one conversation elsewhere told the gap
+        for i in 0..3 {
+            questions.observe(None, 3, i as f64 * 1000.0);
+        }
+        // Three seconds in, their follow-ups could still come: mostly the prior.
+        assert!(questions.first_share() > 0.5, "{questions:?}");
+        for i in 3..300 {
+            questions.observe(None, 3, i as f64 * 1000.0);
+        }
+        // Minutes on, nobody followed them.
+        assert!(questions.first_share() < 0.1, "{questions:?}");
+        // The same questions counted without the clock (all at one instant) are all too
+        // recent to say anything: the share stays the prior.
+        let mut instant = GroupGrowth::default();
+        for _ in 0..300 {
+            instant.observe(None, 3, 0.0);
+        }
+        assert!(
+            (instant.first_share() - PRIOR_FIRST_SHARE).abs() < 1e-9,
+            "{instant:?}"
+        );
+    }
+
+    #[test]
+    fn gaps_are_learned_and_absurd_ones_refused() {
+        let mut growth = GroupGrowth::default();
+        assert_eq!(growth.mean_gap_ms(), PRIOR_GAP_MS);
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 10.0 * MAX_GAP_MS] {
+            growth.observe_gap(bad);
+        }
+        assert_eq!(growth, GroupGrowth::default());
+        for _ in 0..200 {
+            growth.observe_gap(1500.0);
+        }
+        assert!((growth.mean_gap_ms() - 1500.0).abs() < 0.05 * 1500.0);
+        // Pooled with another worker's evidence, the mean is both's.
+        let mut other = GroupGrowth::default();
+        for _ in 0..200 {
+            other.observe_gap(500.0);
+        }
+        growth.add(&other);
+        assert!((growth.mean_gap_ms() - 1000.0).abs() < 0.05 * 1000.0);
     }
 
     #[test]
@@ -1890,11 +2058,16 @@ mod tests {
                 1 => Some(Turn::First),
                 _ => Some(Turn::Later),
             };
+            let t = i as f64 * 50.0;
             if i % 2 == 0 {
-                mixed.observe(None, 2);
+                mixed.observe(None, 2, t);
             } else {
-                mixed.observe(turn, 6);
-                chat.observe(turn, 6);
+                if turn.is_some() {
+                    mixed.observe_gap(100.0);
+                    chat.observe_gap(100.0);
+                }
+                mixed.observe(turn, 6, t);
+                chat.observe(turn, 6, t);
             }
         }
         assert_eq!(mixed.later_share(), chat.later_share());
@@ -1912,31 +2085,72 @@ mod tests {
     }
 
     #[test]
-    fn live_groups_count_starts_follow_moves_and_lose_the_expected_ends() {
+    fn live_groups_count_the_requests_that_will_be_followed_for_about_one_gap() {
+        let gap = 1000.0;
         let mut live = LiveGroups::new(3);
-        // Two groups start on endpoint 0 and one on 1; every request may be its group's last
-        // (here with probability 1 - 0.75).
-        live.observe(0, |e| [false, false, false][e], 0.75);
-        live.observe(0, |e| [false, false, false][e], 0.75);
-        live.observe(1, |e| [false, false, false][e], 0.75);
-        assert_eq!(live.on(0), 2.0 * 0.75);
-        assert_eq!(live.on(1), 0.75);
-        // A continuation on 0 is the same group again: only its chance of ending counts.
-        live.observe(0, |e| [true, false, false][e], 0.75);
-        assert_eq!(live.on(0), 1.5 - 0.25);
-        // A group of endpoint 1 moved to 2 takes its count along.
-        live.observe(2, |e| [false, true, false][e], 0.75);
-        assert_eq!(live.on(1), 0.0);
-        assert_eq!(live.on(2), 0.75);
-        // Never negative when read; garbage shares end every group; unknown endpoints are 0.
-        live.observe(1, |e| [false, true, false][e], f64::NAN);
-        assert_eq!(live.on(1), 0.0);
-        assert_eq!(live.on(9), 0.0);
+        // Two requests on endpoint 0 and one on 1, each followed with probability 0.75.
+        live.observe(0, 0.75, 0.0, gap);
+        live.observe(0, 0.75, 0.0, gap);
+        live.observe(1, 0.75, 0.0, gap);
+        assert_eq!(live.on(0, 0.0, gap), 1.5);
+        assert_eq!(live.on(1, 0.0, gap), 0.75);
+        // One gap later most have been followed or have ended: e^-1 of the count is left.
+        assert!((live.on(0, gap, gap) - 1.5 / std::f64::consts::E).abs() < 1e-12);
+        // Little's law: a group that sends a request every gap, forever, counts its share on
+        // average over the gap (between 1.58 and 0.58 of it).
+        let mut steady = LiveGroups::new(1);
+        let mut t = 0.0;
+        for _ in 0..50 {
+            steady.observe(0, 0.9, t, gap);
+            t += gap;
+        }
+        let mean: f64 = (0..100)
+            .map(|k| steady.on(0, t - gap + gap * k as f64 / 100.0, gap))
+            .sum::<f64>()
+            / 100.0;
+        assert!((mean - 0.9).abs() < 0.02, "{mean}");
+        // A request that is never followed is forgotten: questions nobody continues do not
+        // pile up however many come.
+        let mut questions = LiveGroups::new(1);
+        for i in 0..10_000 {
+            questions.observe(0, 0.3, i as f64 * 100.0, gap);
+        }
+        assert!(questions.on(0, 1_000_000.0, gap) < 0.3 * 10.0 * 1.1);
+        // Garbage shares add nothing, a clock that is not a number changes nothing, a clock
+        // that goes back decays nothing; unknown endpoints are 0; never negative.
+        let before = live.clone();
+        live.observe(2, f64::NAN, 0.0, gap);
+        live.observe(2, -4.0, f64::NAN, gap);
+        assert_eq!(live, before);
+        assert_eq!(live.on(0, -50.0, gap), 1.5);
+        assert_eq!(live.on(9, 0.0, gap), 0.0);
+        live.count[1] = -2.0;
+        assert_eq!(live.on(1, 0.0, gap), 0.0);
         // A changed pool keeps each endpoint's count by identity.
         let moved = live.remapped(&[Some(2), None, Some(0)]);
-        assert_eq!(moved.on(0), live.on(2));
-        assert_eq!(moved.on(1), 0.0);
-        assert_eq!(moved.on(2), live.on(0));
+        assert_eq!(moved.on(0, 0.0, gap), live.on(2, 0.0, gap));
+        assert_eq!(moved.on(1, 0.0, gap), 0.0);
+        assert_eq!(moved.on(2, 0.0, gap), live.on(0, 0.0, gap));
+    }
+
+    #[test]
+    fn an_over_full_cache_still_weighs_less_than_a_fuller_one() {
+        let room = CacheRoom {
+            capacity_blocks: 100,
+            believed_blocks: 50,
+        };
+        assert_eq!(room.pressure_with(0.0), 0.5);
+        assert_eq!(room.pressure_with(50.0), 1.0);
+        // Past full it still grows, smoothly and never past 2.
+        let over = [60.0, 150.0, 450.0, 1e9];
+        for w in over.windows(2) {
+            assert!(room.pressure_with(w[0]) < room.pressure_with(w[1]));
+        }
+        assert!(room.pressure_with(1e12) <= 2.0);
+        assert!((room.pressure_with(50.001) - room.pressure_with(49.999) - 0.00002).abs() < 1e-9);
+        // Unknown capacity prices nothing; garbage growth counts as none.
+        assert_eq!(CacheRoom::default().pressure_with(10.0), 0.0);
+        assert_eq!(room.pressure_with(f64::NAN), 0.0);
     }
 
     #[test]

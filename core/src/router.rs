@@ -276,6 +276,43 @@ pub fn continued_turn(matches: &Matches, eligible: &[bool]) -> Option<Turn> {
         .max()
 }
 
+/// What [`Router::commit`] learned about a request's group, for a proxy to mirror in its
+/// pooled account: the chance the request is followed it was counted with, the gap since the
+/// request it continued (when measured), and the clock and mean gap its live-group count was
+/// decayed with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Committed {
+    pub share: f64,
+    pub gap_ms: Option<f64>,
+    pub live_gap_ms: f64,
+    pub now_ms: f64,
+}
+
+/// The end blocks of recent requests and when they were committed: a direct-mapped table
+/// (a block hash's low bits pick its slot, a newer end overwrites an older one there), so it
+/// stays a fixed 64 KiB however long the router runs, and costs the plugin no hash map. A
+/// group whose end was overwritten is not measured that once; the mean gap is a sample.
+#[derive(Debug, Default)]
+struct RecentEnds {
+    slots: Vec<(u64, f64)>,
+}
+
+impl RecentEnds {
+    const SLOTS: usize = 4096;
+
+    fn get(&self, hash: u64) -> Option<f64> {
+        let &(h, t) = self.slots.get(hash as usize % Self::SLOTS)?;
+        (h == hash && t.is_finite()).then_some(t)
+    }
+
+    fn insert(&mut self, hash: u64, now_ms: f64) {
+        if self.slots.is_empty() {
+            self.slots = vec![(0, f64::NAN); Self::SLOTS];
+        }
+        self.slots[hash as usize % Self::SLOTS] = (hash, now_ms);
+    }
+}
+
 /// Why [`Router::pick`] could not choose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
 pub enum PickError {
@@ -298,6 +335,12 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     growth: GroupGrowth,
     /// Groups living on each endpoint (expected counts).
     live: LiveGroups,
+    /// The router's clock, ms (set by the caller before each pick: the simulator's arrival time,
+    /// the proxy's host clock). Only the live-group counts read it.
+    now_ms: f64,
+    /// When each recent request's full blocks ended (its last block hash → the clock then),
+    /// so a request that continues one measures its group's gap ([`GroupGrowth::observe_gap`]).
+    ends: RecentEnds,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -322,12 +365,21 @@ impl<S: PrefixStore> Router<S> {
             cold_clock: 0,
             growth: GroupGrowth::default(),
             live: LiveGroups::new(endpoints),
+            now_ms: 0.0,
+            ends: RecentEnds::default(),
             tie_key: None,
         }
     }
 
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// Sets the router's clock (ms); a clock that goes back is taken as it is.
+    pub fn set_now(&mut self, now_ms: f64) {
+        if now_ms.is_finite() {
+            self.now_ms = now_ms;
+        }
     }
 
     pub fn endpoints(&self) -> usize {
@@ -496,6 +548,7 @@ impl<S: PrefixStore> Router<S> {
         let w = self.config.weights;
         let future_blocks = self.growth.future_blocks(continued);
         let live_group_blocks = self.growth.live_group_blocks();
+        let gap_ms = self.growth.mean_gap_ms();
         (0..loads.len())
             .map(|i| {
                 let matched_blocks: usize = matches.of(i).iter().sum();
@@ -515,7 +568,8 @@ impl<S: PrefixStore> Router<S> {
                         Footprint {
                             continues: matches.continues[i].is_some(),
                             future_blocks,
-                            growing_blocks: self.live.on(i) * live_group_blocks,
+                            growing_blocks: self.live.on(i, self.now_ms, gap_ms)
+                                * live_group_blocks,
                         },
                         &loads[i].latency,
                         &self.config.latency,
@@ -551,13 +605,20 @@ impl<S: PrefixStore> Router<S> {
     }
 
     /// Records a decision: the chosen endpoint now (believably) holds the request's full
-    /// blocks, which end where the next request of its group will continue.
-    pub fn commit(&mut self, decision: &Decision, hashes: &BlockHashes) {
+    /// blocks, which end where the next request of its group will continue. Returns what it
+    /// learned about the request's group, so a proxy that pools every worker's account can
+    /// mirror it (`None` for an endpoint the router does not have).
+    pub fn commit(&mut self, decision: &Decision, hashes: &BlockHashes) -> Option<Committed> {
         if decision.endpoint >= self.endpoints {
-            return;
+            return None;
         }
         let endpoint = decision.endpoint;
         let block_size = hashes.block_size.max(1);
+        // The gap since the request this one continues (looked up before recording moves it).
+        let gap_ms = self.continued_gap_ms(decision, hashes);
+        if let Some(gap) = gap_ms {
+            self.growth.observe_gap(gap);
+        }
         for (i, (chain, &tokens)) in hashes.chains.iter().zip(&hashes.tokens).enumerate() {
             // Full blocks only: a server never caches the partial last block, and believing it
             // would take room in the belief that the server's cache does not spend.
@@ -569,6 +630,7 @@ impl<S: PrefixStore> Router<S> {
             self.store.record_marked(endpoint, &chain[..full], marks);
             self.store
                 .mark_end(endpoint, chain[full - 1], Turn::of(decision.continued));
+            self.ends.insert(chain[full - 1], self.now_ms);
         }
         let new_blocks = decision.total_blocks.saturating_sub(
             decision
@@ -576,16 +638,42 @@ impl<S: PrefixStore> Router<S> {
                 .get(endpoint)
                 .map_or(0, |s| s.matched_blocks),
         );
+        let committed = Committed {
+            share: self.growth.follow_share(decision.continued),
+            gap_ms,
+            live_gap_ms: self.growth.mean_gap_ms(),
+            now_ms: self.now_ms,
+        };
         self.live.observe(
             endpoint,
-            |e| decision.continues_on(e),
-            self.growth.follow_share(decision.continued),
+            committed.share,
+            committed.now_ms,
+            committed.live_gap_ms,
         );
-        self.growth.observe(decision.continued, new_blocks);
+        self.growth
+            .observe(decision.continued, new_blocks, committed.now_ms);
         if decision.cold {
             self.cold_clock += 1;
             self.last_cold[decision.endpoint] = Some(self.cold_clock);
         }
+        Some(committed)
+    }
+
+    /// How long ago the request this one continues was committed, ms, if the router still
+    /// remembers it ([`RecentEnds`]): its believed match on the endpoint it continues ends at
+    /// that request's last full block. Measured for one-chain requests (every chat request;
+    /// a batch of prompts is skipped, so the mean gap is a sample), from the decision's own
+    /// matches, so that it costs no second lookup.
+    pub fn continued_gap_ms(&self, decision: &Decision, hashes: &BlockHashes) -> Option<f64> {
+        let [chain] = hashes.chains.as_slice() else {
+            return None;
+        };
+        let e = std::iter::once(decision.endpoint)
+            .chain(0..self.endpoints)
+            .find(|&e| decision.continues_on(e))?;
+        let matched = decision.scores.get(e)?.matched_blocks;
+        let then = self.ends.get(*chain.get(matched.checked_sub(1)?)?)?;
+        Some(self.now_ms - then)
     }
 
     /// The chosen endpoint's prediction, also under policies that do not predict (a proxy
@@ -643,8 +731,9 @@ impl<S: PrefixStore> Router<S> {
     /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
     /// the router's own, which keeps its room: a proxy does this on every route).
     pub fn set_live_groups(&mut self, live: &LiveGroups) {
-        let LiveGroups { count } = live;
+        let LiveGroups { count, at_ms } = live;
         self.live.count.clone_from(count);
+        self.live.at_ms = *at_ms;
     }
 
     /// no-hit-lru's memory: the logical time each endpoint last took a cold request (larger =
@@ -1127,6 +1216,33 @@ mod tests {
         let third = hashes("aa bb cc dd ee ff gg hh");
         let m3 = r.believed_matches(&third);
         assert_eq!(m3.continues[d2.endpoint], Some(Turn::Later));
+    }
+
+    #[test]
+    fn a_continuation_measures_its_groups_gap_on_the_routers_clock() {
+        let mut r = router(Policy::Latency, 2);
+        let first = hashes("aa bb cc dd ");
+        r.set_now(1_000.0);
+        let d = r.pick(&first, &idle(2)).unwrap();
+        let c = r.commit(&d, &first).unwrap();
+        assert_eq!(c.gap_ms, None, "a first turn continues nothing");
+        assert_eq!(c.now_ms, 1_000.0);
+        assert!(c.share > 0.0 && c.share <= 1.0, "{c:?}");
+        let live_after_first = r.live_groups().on(d.endpoint, 1_000.0, c.live_gap_ms);
+        assert!((live_after_first - c.share).abs() < 1e-12);
+        // The next turn 1.5 s later continues it: the gap is measured and learned.
+        let next = hashes("aa bb cc dd ee ff ");
+        r.set_now(2_500.0);
+        let d2 = r.pick(&next, &idle(2)).unwrap();
+        assert_eq!(r.continued_gap_ms(&d2, &next), Some(1_500.0));
+        let c2 = r.commit(&d2, &next).unwrap();
+        assert_eq!(c2.gap_ms, Some(1_500.0));
+        assert_eq!(r.growth().gaps, 1.0 * 0.98);
+        // An unrelated request measures nothing; a clock that is not a number is ignored.
+        r.set_now(f64::NAN);
+        let other = hashes("zz yy ");
+        let d3 = r.pick(&other, &idle(2)).unwrap();
+        assert_eq!(r.commit(&d3, &other).unwrap().now_ms, 2_500.0);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use prefixroute_core::Turn;
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 6;
+pub const LAYOUT: u8 = 7;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -432,9 +432,9 @@ impl EndpointLedger {
 /// every live instance's record.
 ///
 /// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
-/// growth 4 × f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
+/// growth 8 × f64 | live_at_ms f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
 /// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64, live_groups f64)`: 131 + 64 n bytes.
+/// sent_predicted_cached u64, live_groups f64)`: 171 + 64 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
@@ -443,10 +443,12 @@ pub struct InstanceRecord {
     pub lanes: LaneFit,
     pub hold: HoldTime,
     pub growth: GroupGrowth,
+    /// The instant (ms) the endpoints' `live_groups` are counted as of.
+    pub live_at_ms: f64,
     pub endpoints: Vec<EndpointLedger>,
 }
 
-const INSTANCE_HEADER_BYTES: usize = 131;
+const INSTANCE_HEADER_BYTES: usize = 171;
 const LEDGER_BYTES: usize = 64;
 
 impl InstanceRecord {
@@ -476,6 +478,11 @@ impl InstanceRecord {
         w.f64(self.growth.second_turns);
         w.f64(self.growth.further_turns);
         w.f64(self.growth.added_blocks);
+        w.f64(self.growth.gaps);
+        w.f64(self.growth.gap_ms);
+        w.f64(self.growth.recent_first);
+        w.f64(self.growth.at_ms);
+        w.f64(self.live_at_ms);
         let endpoints = &self.endpoints[..self.endpoints.len().min(u16::MAX as usize)];
         w.u16(endpoints.len() as u16);
         for e in endpoints {
@@ -510,7 +517,12 @@ impl InstanceRecord {
             second_turns: r.f64()?,
             further_turns: r.f64()?,
             added_blocks: r.f64()?,
+            gaps: r.f64()?,
+            gap_ms: r.f64()?,
+            recent_first: r.f64()?,
+            at_ms: r.f64()?,
         };
+        let live_at_ms = r.f64()?;
         let n = r.u16()? as usize;
         if r.remaining() < n * LEDGER_BYTES {
             return None;
@@ -541,6 +553,7 @@ impl InstanceRecord {
             lanes,
             hold,
             growth,
+            live_at_ms,
             endpoints,
         })
     }
@@ -956,7 +969,12 @@ mod tests {
                 second_turns: 2.5,
                 further_turns: 5.0,
                 added_blocks: 60.0,
+                gaps: 3.0,
+                gap_ms: 4500.0,
+                recent_first: 0.75,
+                at_ms: 1234.5,
             },
+            live_at_ms: 1200.25,
             endpoints: vec![
                 EndpointLedger {
                     endpoint: 1,
@@ -985,8 +1003,8 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 131 + 2 * 64);
-        assert_eq!(rec.encode().capacity(), 131 + 2 * 64);
+        assert_eq!(rec.encode().len(), 171 + 2 * 64);
+        assert_eq!(rec.encode().capacity(), 171 + 2 * 64);
         // The ledger encodes into one buffer over and over: a shorter record written over a
         // longer one leaves none of the longer one's bytes behind.
         let mut buf = rec.encode();

@@ -17,9 +17,10 @@
 //! instance learned goes with it; the others keep learning.)
 
 use prefixroute_core::latency::{
-    EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation, Prediction,
-    PrefillRate, RequestLedger, SentTokens,
+    decay, EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation,
+    Prediction, PrefillRate, RequestLedger, SentTokens,
 };
+use prefixroute_core::router::Committed;
 use prefixroute_core::Turn;
 
 use crate::codec::{EndpointLedger, InstanceRecord, Member, Registry};
@@ -58,10 +59,13 @@ impl Pooled {
         s.predicted_cached = s.predicted_cached.saturating_add(sent.predicted_cached);
     }
 
-    fn add_live(&mut self, e: usize, live: f64) {
+    /// Adds an instance's count on `e` as of `at_ms`, decayed to the pool's instant with the
+    /// pool's mean gap (see core's `LiveGroups`).
+    fn add_live(&mut self, e: usize, live: f64, at_ms: f64) {
+        let keep = decay(self.live.at_ms - at_ms, self.growth.mean_gap_ms());
         if let Some(v) = self.live.count.get_mut(e) {
-            if live.is_finite() {
-                *v += live;
+            if live.is_finite() && at_ms.is_finite() {
+                *v += live * keep;
             }
         }
     }
@@ -88,6 +92,9 @@ pub struct Ledger {
     peer_model: LearnedModel,
     /// What [`Ledger::totals`] answers, rebuilt in place on every route.
     pooled: Pooled,
+    /// The peers' live-group counts read by [`Ledger::totals`] (endpoint, count, as of),
+    /// kept for their room.
+    peer_live: Vec<(usize, f64, f64)>,
 }
 
 impl Ledger {
@@ -106,6 +113,7 @@ impl Ledger {
             encoded: Vec::new(),
             peer_model: LearnedModel::new(0),
             pooled: Pooled::default(),
+            peer_live: Vec::new(),
         }
     }
 
@@ -216,20 +224,26 @@ impl Ledger {
     }
 
     /// Learns how groups grow from one routed request, and counts where its group lives, as
-    /// core's `Router::commit` does (published with the next write): it went to `endpoint`,
-    /// `continues_on(e)` says where it continued its group, `share` is the chance it is
-    /// followed that the decision was made with, `continued` the turn of the request it
-    /// continued.
+    /// core's `Router::commit` did (`committed` is what it returned; published with the next
+    /// write): it went to `endpoint`, `continued` is the turn of the request it continued,
+    /// `new_blocks` the blocks it added.
     pub fn observe_growth(
         &mut self,
         endpoint: usize,
-        continues_on: impl Fn(usize) -> bool,
-        share: f64,
+        committed: &Committed,
         continued: Option<Turn>,
         new_blocks: usize,
     ) {
-        self.live.observe(endpoint, continues_on, share);
-        self.growth.observe(continued, new_blocks);
+        if let Some(gap) = committed.gap_ms {
+            self.growth.observe_gap(gap);
+        }
+        self.live.observe(
+            endpoint,
+            committed.share,
+            committed.now_ms,
+            committed.live_gap_ms,
+        );
+        self.growth.observe(continued, new_blocks, committed.now_ms);
     }
 
     /// `endpoint` restarted with an empty cache: this instance's count of the groups living
@@ -260,7 +274,13 @@ impl Ledger {
         learned.rates.clone_from(rates);
         (learned.lanes, learned.hold) = (*lanes, *hold);
         *growth = self.growth;
-        live.count.clone_from(&self.live.count);
+        // Every instance's live-group counts are as of its last request: each is decayed to
+        // now with the pooled mean gap, so the peers' growth is added up first.
+        live.count.clear();
+        live.count.resize(n, 0.0);
+        live.at_ms = now_ms as f64;
+        let mut peer_live = std::mem::take(&mut self.peer_live);
+        peer_live.clear();
         for peer in &self.peers {
             let record = match host.get(self.keys.get(peer.slot)) {
                 Ok(Some((bytes, _))) => InstanceRecord::decode(&bytes),
@@ -282,13 +302,20 @@ impl Ledger {
             for ledger in &record.endpoints {
                 if let Some(e) = self.ids.index(ledger.endpoint) {
                     pooled.add_work(e, &ledger.work, &ledger.sent);
-                    pooled.add_live(e, ledger.live_groups);
                     theirs.rates[e] = ledger.rate;
+                    peer_live.push((e, ledger.live_groups, record.live_at_ms));
                 }
             }
             pooled.learned.add(theirs);
             pooled.growth.add(&record.growth);
         }
+        for (e, &count) in self.live.count.iter().enumerate() {
+            pooled.add_live(e, count, self.live.at_ms);
+        }
+        for &(e, count, at_ms) in &peer_live {
+            pooled.add_live(e, count, at_ms);
+        }
+        self.peer_live = peer_live;
         self.pooled = pooled;
         &self.pooled
     }
@@ -387,6 +414,7 @@ impl Ledger {
         record.lanes = self.own.learned.lanes;
         record.hold = self.own.learned.hold;
         record.growth = self.growth;
+        record.live_at_ms = self.live.at_ms;
         record.endpoints.clear();
         record.endpoints.extend(
             (0..self.ids.len())
@@ -511,9 +539,14 @@ mod tests {
         a.acquire(&host, 1, &work(500), 0);
         b.acquire(&host, 1, &work(0), 0);
         a.first_byte(&host, 1, 500, Some(observation(1005.0)), &config, 10);
-        a.observe_growth(1, |e| e == 1, 0.8, Some(Turn::First), 6);
-        // b sees a's group move to endpoint 2 (it was on 1).
-        b.observe_growth(2, |e| e == 1, 0.8, Some(Turn::Later), 9);
+        let at = |now_ms: f64, share: f64, gap_ms: Option<f64>| Committed {
+            share,
+            gap_ms,
+            live_gap_ms: 1000.0,
+            now_ms,
+        };
+        a.observe_growth(1, &at(10.0, 0.8, Some(400.0)), Some(Turn::First), 6);
+        b.observe_growth(2, &at(20.0, 0.6, Some(600.0)), Some(Turn::Later), 9);
         a.release(&host, 1, None, None, 20);
         b.tick(&host, 30);
         let pooled = b.totals(&host, 30);
@@ -524,15 +557,19 @@ mod tests {
             (1.0, 1.0),
             "each instance's turns, pooled"
         );
-        // Live groups are summed over instances, signed: on 1, a's -0.2 (one request's chance
-        // to end) and b's -1 (the move); on 2, b's +1 - 0.2. Read never below zero.
-        assert!(
-            (pooled.live.count[1] + 1.2).abs() < 1e-12,
-            "{:?}",
-            pooled.live
+        assert_eq!(
+            pooled.growth.gaps,
+            2.0 * 0.98,
+            "each instance's measured gaps"
         );
-        assert_eq!(pooled.live.on(1), 0.0);
-        assert!((pooled.live.on(2) - 0.8).abs() < 1e-12, "{:?}", pooled.live);
+        // Live groups: each instance's count as of its last request, decayed to now with the
+        // pooled mean gap, then summed (a's 0.8 on 1 since 10 ms, b's 0.6 on 2 since 20 ms).
+        let gap = pooled.growth.mean_gap_ms();
+        let keep = |since: f64| (-(30.0 - since) / gap).exp();
+        assert_eq!(pooled.live.at_ms, 30.0);
+        assert!((pooled.live.on(1, 30.0, gap) - 0.8 * keep(10.0)).abs() < 1e-12);
+        assert!((pooled.live.on(2, 30.0, gap) - 0.6 * keep(20.0)).abs() < 1e-12);
+        assert_eq!(pooled.live.on(0, 30.0, gap), 0.0);
         assert_eq!(a.take_counts().observations, 1);
     }
 

@@ -268,6 +268,7 @@ impl<H: SharedData> Scheduler<H> {
             });
         }
         self.router.store_mut().begin_request_at(now_ms);
+        self.router.set_now(now_ms as f64);
         let loads = self.loads(now_ms);
         // no-hit-lru must see the cold picks of every worker, not just this one's.
         let endpoints = self.endpoints();
@@ -290,17 +291,16 @@ impl<H: SharedData> Scheduler<H> {
         let prediction = self
             .router
             .prediction_for(&decision, &hashes, &loads[endpoint]);
-        // The share the router's commit counts live groups with (before it learns from this
-        // request), so the ledger's count is core's.
-        let share = self.router.growth().follow_share(decision.continued);
-        self.router.commit(&decision, &hashes);
-        self.ledger.observe_growth(
-            endpoint,
-            |e| decision.continues_on(e),
-            share,
-            decision.continued,
-            decision.new_blocks(),
-        );
+        // What the router's commit learned about the request's group, mirrored in this
+        // instance's account so that the pooled counts are core's.
+        if let Some(committed) = self.router.commit(&decision, &hashes) {
+            self.ledger.observe_growth(
+                endpoint,
+                &committed,
+                decision.continued,
+                decision.new_blocks(),
+            );
+        }
         let errors = self.router.store_mut().end_request();
         self.count_shared(errors);
         if decision.cold {
@@ -1341,7 +1341,13 @@ mod tests {
             }
         }
 
-        fn route(&mut self, body: &[u8], metrics: &[ServerMetrics]) -> (usize, Prediction) {
+        fn route(
+            &mut self,
+            body: &[u8],
+            metrics: &[ServerMetrics],
+            now_ms: u64,
+        ) -> (usize, Prediction) {
+            self.router.set_now(now_ms as f64);
             let hashes = hash_request(&parse_request(body).unwrap(), self.cfg.router_config().hash);
             let learned = self.ledger.learned.estimate(&self.cfg.latency);
             let loads: Vec<EndpointLoad> = (0..metrics.len())
@@ -1418,7 +1424,7 @@ mod tests {
                 // Within stale_after_ms of the one scrape, as the core side assumes.
                 let now = 10 + 30 * i;
                 let body = chat(&tenants[(i * 7 % 5) as usize], &format!("question {i}"));
-                let (expected, prediction) = core.route(&body, &metrics);
+                let (expected, prediction) = core.route(&body, &metrics, now);
                 let mut got = scheduler.route(&body, now);
                 assert_eq!(got.endpoint, expected, "{policy} request {i}");
                 // The first byte comes back after a time that depends on the work: the rate

@@ -423,6 +423,7 @@ impl Simulation {
         self.calibrate(now_ms);
         let loads = self.loads(now_ms);
         let request = &self.requests[index];
+        self.router.set_now(now_ms);
         let decision = self
             .router
             .pick(&request.hashes, &loads)

@@ -335,6 +335,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                 load
             })
             .collect();
+        core.set_now(now as f64);
         let expected = core.pick(&hashes, &loads).unwrap();
         let prediction = core.prediction_for(&expected, &hashes, &loads[expected.endpoint]);
         core.commit(&expected, &hashes);

@@ -64,11 +64,11 @@ fn gauges(host: &host_tests::Host, n: usize) -> Vec<i64> {
 
 /// Sum of the in-flight counts in every published instance record
 /// (`prefixroute/ledger/<slot>`: layout u8, nonce u64, heartbeat u64, lane fit 8 × f64,
-/// hold 2 × f64, growth 4 × f64, n u16, n × (endpoint u64, in_flight u32, prefilling u32,
-/// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
+/// hold 2 × f64, growth 8 × f64, live_at_ms f64, n u16, n × (endpoint u64, in_flight u32,
+/// prefilling u32, prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
 /// sent_predicted_cached u64, live_groups f64)).
 fn published_total(host: &host_tests::Host) -> u64 {
-    const HEAD: usize = 1 + 8 + 8 + 8 * 8 + 2 * 8 + 4 * 8;
+    const HEAD: usize = 1 + 8 + 8 + 8 * 8 + 2 * 8 + 8 * 8 + 8;
     host.shared()
         .scan("prefixroute", "prefixroute/ledger/")
         .into_iter()
