@@ -1108,15 +1108,14 @@ impl GroupGrowth {
         }
     }
 
-    /// A continuation's mean size in blocks (0 before any was seen: a fleet that carries only
-    /// questions nobody follows prices no growth at all; a prior size was tried and dropped,
-    /// see docs/benchmarks.md).
+    /// A continuation's mean size in blocks, shrunk towards 0 by one continuation's worth
+    /// (`added / (continuations + 1)`): 0 before any was seen, so a fleet that carries only
+    /// questions nobody follows prices no growth at all, and half the first one's size after
+    /// it, so the first conversations of a fleet are not priced on one turn's say. Compared
+    /// with the plain mean and with prior sizes in docs/benchmarks.md.
     fn mean_continuation_blocks(&self) -> f64 {
         let continuations = self.continuations();
-        if continuations < 1.0 {
-            return 0.0;
-        }
-        finite_or_zero(self.added_blocks / continuations)
+        finite_or_zero(finite_or_zero(self.added_blocks) / (continuations + 1.0))
     }
 
     /// Blocks a request's group is expected to add after it: with the chance `f` that it is
@@ -1938,6 +1937,11 @@ mod tests {
         assert_eq!(growth.first_share(), PRIOR_FIRST_SHARE);
         assert_eq!(growth.later_share(), PRIOR_LATER_SHARE);
         assert_eq!(growth.live_group_blocks(), 0.0);
+        // One continuation of 10 blocks is half the evidence of a size: 5.
+        let mut once = GroupGrowth::default();
+        once.observe(Some(Turn::First), 10, 0.0);
+        let q1 = once.later_share();
+        assert!((once.live_group_blocks() * (1.0 - q1) - 5.0).abs() < 1e-9);
         // Conversations of four requests each, a request every 100 ms and a turn a second
         // after the one it continues, adding 8 blocks a turn: a first turn is always followed,
         // a later one two times in three.
@@ -1963,10 +1967,15 @@ mod tests {
         let memory = 0.75 / (1.0 - GROWTH_KEEP);
         let expected = (memory * evidence + 200.0 * 0.95) / (memory + 200.0);
         assert!((q - expected).abs() < 0.01, "{q} vs {expected}: {growth:?}");
-        // A live group adds a continuation's size 1 / (1 - q) times; a request adds that with
-        // the chance it is followed.
+        // A live group adds a continuation's size 1 / (1 - q) times (the size shrunk by one
+        // continuation's worth: 8 × n / (n + 1) over the ~38 continuations remembered); a
+        // request adds that with the chance it is followed.
         let group = growth.live_group_blocks();
-        assert!((group * (1.0 - q) - 8.0).abs() < 1e-9, "{group} {q}");
+        let n = growth.second_turns + growth.further_turns;
+        assert!(
+            (group * (1.0 - q) - 8.0 * n / (n + 1.0)).abs() < 1e-9,
+            "{group} {q}"
+        );
         assert!((growth.future_blocks(None) - f * group).abs() < 1e-9);
         assert!(
             (growth.future_blocks(Some(Turn::First)) - q * group).abs() < 1e-9,
