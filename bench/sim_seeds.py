@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The simulator's `latency` policy over many seeds of the sweep's traces, side by side.
+
+One sweep trace is one seed: a change that moves its TTFT p95 by three requests out of 400 can
+look like a win or a loss by luck. This generates each scenario with several seeds (the sweep's
+own trace parameters, `bench/bench.py`'s SWEEP_SCENARIOS, only the seed changes), simulates each
+`prefixroute` binary given on the same traces, and prints per scenario and prefill cost the mean
+(and worst) share of the upper bound's hit rate, TTFT p95 over the bound's, and busiest replica
+over the mean. Deterministic: the same binaries and seeds print the same numbers.
+
+    python3 bench/sim_seeds.py --prefixroute before=OLD/prefixroute --prefixroute after=NEW/prefixroute
+    python3 bench/sim_seeds.py --prefixroute now=target/release/prefixroute --scenarios mixed,long --seeds 21-28
+
+Standard library only; runs the binaries, never a network.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import SWEEP_SCENARIOS  # noqa: E402
+
+COSTS = (0.1, 0.5, 1.0)
+
+
+def seeds_of(text):
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
+def trace(binary, scenario, seed, out):
+    args = [binary, "trace", "-o", out]
+    for key, value in SWEEP_SCENARIOS[scenario]["trace"].items():
+        args += [f"--{key}", str(seed if key == "seed" else value)]
+    subprocess.run(args, check=True, capture_output=True)
+
+
+def simulate(binary, path, scenario, cost):
+    sc = SWEEP_SCENARIOS[scenario]
+    out = subprocess.run(
+        [binary, "simulate", path, "--policy", "latency", "--replicas", str(sc["replicas"]),
+         "--cache-blocks", str(sc["kv_blocks"]), "--slots", str(sc["lanes"]),
+         "--block-size", "16", "--decode-ms-per-token", "0",
+         "--prefill-ms-per-token", str(cost), "--json"],
+        check=True, capture_output=True, text=True).stdout
+    report = json.loads(out)
+    bound, ours = report["upper_bound"], report["policies"][0]
+    per = ours["requests_per_replica"]
+    return (ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0,
+            ours["ttft_p95_ms"] / bound["ttft_p95_ms"],
+            max(per) / (sum(per) / len(per)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefixroute", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--scenarios", default="mixed,conversations,long")
+    p.add_argument("--seeds", default="21-28", help="a range, e.g. 21-28")
+    args = p.parse_args()
+    binaries = [b.partition("=")[::2] for b in args.prefixroute]
+    for name, path in binaries:
+        if not path or not os.access(path, os.X_OK):
+            sys.exit(f"--prefixroute {name}={path}: not an executable")
+    scenarios = args.scenarios.split(",")
+    for s in scenarios:
+        if s not in SWEEP_SCENARIOS:
+            sys.exit(f"unknown scenario {s!r} (one of {', '.join(SWEEP_SCENARIOS)})")
+    seeds = seeds_of(args.seeds)
+    print(f"seeds {seeds[0]}-{seeds[-1]}; mean (worst) over seeds: share of the bound's hit "
+          "rate, TTFT p95 / bound's, max/mean")
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario in scenarios:
+            paths = []
+            for seed in seeds:
+                path = os.path.join(tmp, f"{scenario}-{seed}.jsonl")
+                trace(binaries[0][1], scenario, seed, path)
+                paths.append(path)
+            for cost in COSTS:
+                cells = []
+                for name, binary in binaries:
+                    rows = [simulate(binary, path, scenario, cost) for path in paths]
+                    hit, p95, spread = zip(*rows)
+                    cells.append(
+                        f"{name}: {statistics.mean(hit) * 100:5.1f}% ({min(hit) * 100:5.1f}) "
+                        f"p95 {statistics.mean(p95):4.2f}x ({max(p95):4.2f}) "
+                        f"max/mean {statistics.mean(spread):4.2f} ({max(spread):4.2f})")
+                print(f"{scenario:13s} @{cost}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
