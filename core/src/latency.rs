@@ -779,8 +779,8 @@ pub struct Prediction {
     /// [`Footprint::growing_blocks`]): counted as taken when pricing room.
     #[serde(default)]
     pub growing_blocks: f64,
-    /// Blocks priced for the room they take: (new + expected later) × occupancy, the
-    /// occupancy counting the growing blocks as taken.
+    /// Blocks priced for the room they take: (new + expected later) × the cache's pressure
+    /// ([`CacheRoom::pressure_with`]), counting the growing blocks as taken.
     pub room_blocks: f64,
     pub room_ms: f64,
     /// What the router minimises: TTFT + delay to others + room.
@@ -817,20 +817,6 @@ pub struct CacheRoom {
 impl CacheRoom {
     pub fn free_blocks(&self) -> usize {
         self.capacity_blocks.saturating_sub(self.believed_blocks)
-    }
-
-    /// Share of the cache believed in use, 0..1 (0 when the capacity is unknown).
-    pub fn occupancy(&self) -> f64 {
-        self.occupancy_with(0.0)
-    }
-
-    /// Share of the cache in use once `growing` more blocks arrive, 0..1 (0 when the
-    /// capacity is unknown).
-    pub fn occupancy_with(&self, growing: f64) -> f64 {
-        if self.capacity_blocks == 0 {
-            return 0.0;
-        }
-        ((self.believed_blocks as f64 + growing) / self.capacity_blocks as f64).min(1.0)
     }
 
     /// What one more block costs here, in blocks some request will prefill again: the share
@@ -1291,8 +1277,9 @@ pub struct Footprint {
 /// * **room**: the blocks the request brings (those the endpoint does not hold, plus, if its
 ///   group starts or moves here, the blocks the group is expected to add later) take room in
 ///   the endpoint's cache. Each will displace a block some later request needs with about the
-///   probability that the cache is full, its believed occupancy; that request then pays the
-///   block's prefill. So a new prefix goes where it fits (the emptiest cache) unless that is
+///   probability that the cache is full, its believed occupancy counting what the groups
+///   living there will add (past full, more: [`CacheRoom::pressure_with`]); that request then
+///   pays the block's prefill. So a new prefix goes where it fits (the emptiest cache) unless that is
 ///   slower by the prediction, and a growing group is not started where its history will not
 ///   stay.
 pub fn predict(
@@ -1611,7 +1598,6 @@ mod tests {
         // An empty cache costs no room; an unknown capacity neither.
         let e = predict(&h, &[0], empty, starting, &idle, &config());
         assert_eq!(e.room_ms, 0.0);
-        assert_eq!(CacheRoom::default().occupancy(), 0.0);
         // A full cache evicts what does not fit.
         let full = CacheRoom {
             capacity_blocks: 100,

@@ -59,12 +59,11 @@ impl Pooled {
         s.predicted_cached = s.predicted_cached.saturating_add(sent.predicted_cached);
     }
 
-    /// Adds an instance's count on `e` as of `at_ms`, decayed to the pool's instant with the
-    /// pool's mean gap (see core's `LiveGroups`).
-    fn add_live(&mut self, e: usize, live: f64, at_ms: f64) {
-        let keep = decay(self.live.at_ms - at_ms, self.growth.mean_gap_ms());
+    /// Adds an instance's count on `e`, times `keep`: what is left of it at the pool's
+    /// instant (core's `latency::decay`).
+    fn add_live(&mut self, e: usize, live: f64, keep: f64) {
         if let Some(v) = self.live.count.get_mut(e) {
-            if live.is_finite() && at_ms.is_finite() {
+            if live.is_finite() {
                 *v += live * keep;
             }
         }
@@ -309,11 +308,25 @@ impl Ledger {
             pooled.learned.add(theirs);
             pooled.growth.add(&record.growth);
         }
+        let gap_ms = pooled.growth.mean_gap_ms();
+        let keep_since = |at_ms: f64| {
+            if at_ms.is_finite() {
+                decay(now_ms as f64 - at_ms, gap_ms)
+            } else {
+                0.0
+            }
+        };
+        let own = keep_since(self.live.at_ms);
         for (e, &count) in self.live.count.iter().enumerate() {
-            pooled.add_live(e, count, self.live.at_ms);
+            pooled.add_live(e, count, own);
         }
+        // One instance's entries are in a row and share its instant: one `exp` per instance.
+        let mut last = (f64::NAN, 0.0);
         for &(e, count, at_ms) in &peer_live {
-            pooled.add_live(e, count, at_ms);
+            if at_ms.to_bits() != last.0.to_bits() {
+                last = (at_ms, keep_since(at_ms));
+            }
+            pooled.add_live(e, count, last.1);
         }
         self.peer_live = peer_live;
         self.pooled = pooled;
