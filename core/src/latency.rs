@@ -151,6 +151,8 @@ pub enum ObservationError {
     TooLong,
     #[error("predicted work is not a finite number of tokens")]
     BadWork,
+    #[error("time between a group's requests is negative or not a finite number of milliseconds")]
+    BadGap,
 }
 
 /// What the router saw of one request: the endpoint's backlog when it was sent, its own
@@ -1017,12 +1019,18 @@ impl GroupGrowth {
     }
 
     /// Learns one measured gap: a request continued one sent `gap_ms` before it. Absurd values
-    /// (negative, not finite, beyond [`MAX_GAP_MS`]) are not evidence.
-    pub fn observe_gap(&mut self, gap_ms: f64) {
-        if gap_ms.is_finite() && (0.0..=MAX_GAP_MS).contains(&gap_ms) {
-            self.gaps += 1.0;
-            self.gap_ms += gap_ms;
+    /// (negative, not finite: a clock that went back; beyond [`MAX_GAP_MS`]) are not evidence,
+    /// and say why, so that a proxy can count them.
+    pub fn observe_gap(&mut self, gap_ms: f64) -> Result<(), ObservationError> {
+        if !gap_ms.is_finite() || gap_ms < 0.0 {
+            return Err(ObservationError::BadGap);
         }
+        if gap_ms > MAX_GAP_MS {
+            return Err(ObservationError::TooLong);
+        }
+        self.gaps += 1.0;
+        self.gap_ms += gap_ms;
+        Ok(())
     }
 
     /// The mean time between a request and its group's next one, ms: the measured gaps blended
@@ -1939,7 +1947,7 @@ mod tests {
                 _ => Some(Turn::Later),
             };
             if continued.is_some() {
-                growth.observe_gap(1000.0);
+                growth.observe_gap(1000.0).unwrap();
             }
             growth.observe(continued, 8, t);
             t += 100.0;
@@ -1996,7 +2004,7 @@ mod tests {
     fn a_first_turn_counts_against_the_first_share_only_once_it_could_have_been_followed() {
         // Tenants' questions, one a second, never followed.
         let mut questions = GroupGrowth::default();
-        questions.observe_gap(2000.0); // one conversation elsewhere told the gap
+        questions.observe_gap(2000.0).unwrap(); // one conversation elsewhere told the gap
         for i in 0..3 {
             questions.observe(None, 3, i as f64 * 1000.0);
         }
@@ -2023,18 +2031,29 @@ mod tests {
     fn gaps_are_learned_and_absurd_ones_refused() {
         let mut growth = GroupGrowth::default();
         assert_eq!(growth.mean_gap_ms(), PRIOR_GAP_MS);
-        for bad in [-1.0, f64::NAN, f64::INFINITY, 10.0 * MAX_GAP_MS] {
-            growth.observe_gap(bad);
+        for (bad, why) in [
+            (-1.0, ObservationError::BadGap),
+            (f64::NAN, ObservationError::BadGap),
+            (f64::INFINITY, ObservationError::BadGap),
+            (10.0 * MAX_GAP_MS, ObservationError::TooLong),
+        ] {
+            assert_eq!(growth.observe_gap(bad), Err(why), "{bad}");
         }
         assert_eq!(growth, GroupGrowth::default());
+        assert_eq!(
+            growth.observe_gap(0.0),
+            Ok(()),
+            "two requests in the same millisecond"
+        );
+        growth = GroupGrowth::default();
         for _ in 0..200 {
-            growth.observe_gap(1500.0);
+            growth.observe_gap(1500.0).unwrap();
         }
         assert!((growth.mean_gap_ms() - 1500.0).abs() < 0.05 * 1500.0);
         // Pooled with another worker's evidence, the mean is both's.
         let mut other = GroupGrowth::default();
         for _ in 0..200 {
-            other.observe_gap(500.0);
+            other.observe_gap(500.0).unwrap();
         }
         growth.add(&other);
         assert!((growth.mean_gap_ms() - 1000.0).abs() < 0.05 * 1000.0);
@@ -2058,8 +2077,8 @@ mod tests {
                 mixed.observe(None, 2, t);
             } else {
                 if turn.is_some() {
-                    mixed.observe_gap(100.0);
-                    chat.observe_gap(100.0);
+                    mixed.observe_gap(100.0).unwrap();
+                    chat.observe_gap(100.0).unwrap();
                 }
                 mixed.observe(turn, 6, t);
                 chat.observe(turn, 6, t);

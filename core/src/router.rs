@@ -629,7 +629,9 @@ impl<S: PrefixStore> Router<S> {
         // The gap since the request this one continues (looked up before recording moves it).
         let gap_ms = self.continued_gap_ms(decision, hashes);
         if let Some(gap) = gap_ms {
-            self.growth.observe_gap(gap);
+            // A refused gap (a clock that went back, or over an hour) teaches nothing; the
+            // plugin's ledger, which mirrors this, counts it in a metric.
+            let _ = self.growth.observe_gap(gap);
         }
         for (i, (chain, &tokens)) in hashes.chains.iter().zip(&hashes.tokens).enumerate() {
             // Full blocks only: a server never caches the partial last block, and believing it

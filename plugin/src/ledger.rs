@@ -234,7 +234,9 @@ impl Ledger {
         new_blocks: usize,
     ) {
         if let Some(gap) = committed.gap_ms {
-            self.growth.observe_gap(gap);
+            if self.growth.observe_gap(gap).is_err() {
+                self.counts.refused_observations += 1;
+            }
         }
         self.live.observe(
             endpoint,
@@ -598,6 +600,27 @@ mod tests {
         let counts = a.take_counts();
         assert_eq!((counts.observations, counts.refused_observations), (0, 4));
         assert_eq!(a.totals(&host, 1).learned.rates[0], PrefillRate::default());
+    }
+
+    #[test]
+    fn absurd_gaps_are_refused_and_counted() {
+        let host = MemShared::new();
+        let mut a = instance();
+        for gap in [-1.0, f64::NAN, 2.0 * 3_600_000.0, 250.0] {
+            let committed = Committed {
+                share: 0.5,
+                gap_ms: Some(gap),
+                live_gap_ms: 1000.0,
+                now_ms: 10.0,
+            };
+            a.observe_growth(0, &committed, Some(Turn::First), 3);
+        }
+        assert_eq!(a.take_counts().refused_observations, 3);
+        a.tick(&host, 10);
+        let growth = &a.totals(&host, 10).growth;
+        // One gap learned (published with the growth's forgetting), and it is the sane one.
+        assert!(growth.gaps > 0.9 && growth.gaps <= 1.0, "{growth:?}");
+        assert_eq!(growth.gap_ms / growth.gaps, 250.0, "{growth:?}");
     }
 
     #[test]

@@ -52,7 +52,8 @@ pub enum Event {
     /// bounded by the configured `index_capacity_blocks`.
     CapacityUnreported(usize),
     /// First bytes the prefill model learned from, and absurd ones it refused (zero,
-    /// negative, hours): those leave the model at what it knew (the prior at first).
+    /// negative, hours): those leave the model at what it knew (the prior at first). Refused
+    /// also counts groups' gaps between requests that were negative or over an hour.
     Observations {
         used: u32,
         refused: u32,
