@@ -785,8 +785,133 @@ pub struct Prediction {
     /// ([`CacheRoom::pressure_with`]), counting the growing blocks as taken.
     pub room_blocks: f64,
     pub room_ms: f64,
-    /// What the router minimises: TTFT + delay to others + room.
+    /// What a copy of the request's prefix here would save the requests that share it and
+    /// queue where it is held ([`copy_credit_ms`]); 0 where it continues or holds the most.
+    #[serde(default)]
+    pub copy_credit_ms: f64,
+    /// What the router minimises: TTFT + delay to others + room − copy credit.
     pub cost_ms: f64,
+}
+
+impl Prediction {
+    /// The same prediction with a copy credit ([`copy_credit_ms`]) taken off its cost.
+    pub fn with_copy_credit(mut self, credit_ms: f64) -> Prediction {
+        let credit = if credit_ms.is_finite() {
+            credit_ms.max(0.0)
+        } else {
+            0.0
+        };
+        self.cost_ms = self.cost_ms + self.copy_credit_ms - credit;
+        self.copy_credit_ms = credit;
+        self
+    }
+}
+
+/// What a second copy of a queued prefix saves, credited to an endpoint that would make it.
+///
+/// A request priced alone never pays for a copy that all later requests of its prefix would
+/// gain from: where one replica holds a hot prefix and queues, each request would rather wait
+/// (tens of ms) than prefill the whole prefix elsewhere (hundreds), until the wait is as long
+/// as that prefill. Measured on the sweep's hot tenant at 1 ms/token: its first 30 requests
+/// queued up to 270 ms before one paid for the second copy (docs/benchmarks.md).
+///
+/// The credit is what the copy saves the requests that will share the prefix while the
+/// holder's queue lasts. By Little's law, the prefix's requests waiting at the holder are its
+/// rate times the wait: `starts_per_s` (how often requests start a group on this prefix, per
+/// replica that holds it, [`PrefixRates`]; a continuation needs its own history, which a copy
+/// does not hold) times the holder's queue. With a second copy they split between the two,
+/// and each saves about half the difference between the holder's wait and the candidate's.
+/// That counts a queue seen now; the copy is ready only after its own prefill, and it helps
+/// only if the queue is still there. A queue the prefix makes itself persists as long as its
+/// requests keep the holder's lanes busy: the sharers are weighted by that utilization (the
+/// prefix's rate × a request's lane time at the holder / its lanes, at most 1; M/M/1's chance
+/// to wait), so a queue left by a burst of other work, or one a further copy would hardly
+/// shorten, earns little (measured in docs/benchmarks.md: without it, the hot tenant got four
+/// copies in its first second and other tenants' prompts were pushed out).
+///
+/// Only where the candidate has a free lane: where it queues too, a copy moves the queue
+/// rather than removes it, and the whole prefill it costs delays the candidate's own requests.
+/// Only a group's first request earns the credit (see the router), for the reason above.
+pub fn copy_credit_ms(holder: &Prediction, candidate: &Prediction, starts_per_s: f64) -> f64 {
+    if candidate.queue_requests > 0.0 {
+        return 0.0;
+    }
+    let lane_ms = holder.uncached_tokens as f64 * holder.ms_per_token + holder.hold_ms;
+    let busy = (starts_per_s * lane_ms / 1000.0 / f64::from(holder.lanes.max(1))).clamp(0.0, 1.0);
+    let sharers = starts_per_s * holder.queue_ms / 1000.0 * busy;
+    let saved = holder.queue_ms - candidate.queue_ms;
+    if sharers.is_finite() && sharers > 0.0 && saved.is_finite() && saved > 0.0 {
+        0.5 * sharers * saved
+    } else {
+        0.0
+    }
+}
+
+/// How often requests start a group on each shared prefix, per second: the rate the copy
+/// credit ([`copy_credit_ms`]) counts the requests that would use a second copy by.
+///
+/// Keyed by the hash of the prefix's last block (a tenant's system prompt ends at a message
+/// boundary, which the index records exactly, so its questions share that block). A
+/// direct-mapped table of exponentially decayed counts with a time constant of
+/// [`Self::WINDOW_MS`]: the rate is the count over the window's span since the prefix was
+/// first seen, `WINDOW × (1 − exp(−age / WINDOW))`, so a prefix seen for half a second is
+/// measured over half a second (a hot prefix right after a start is what the credit is for).
+/// A prefix whose slot holds a busier one is not counted (its credit stays 0): the busy ones
+/// are the ones that matter. Each proxy worker counts the requests it routes; the rates it
+/// sees are its share of the fleet's, so with several workers the credit errs low.
+#[derive(Debug, Clone)]
+pub struct PrefixRates {
+    /// `(hash, decayed count, first seen ms, counted to ms)`; hash 0 is an empty slot.
+    slots: Vec<(u64, f64, f64, f64)>,
+}
+
+impl Default for PrefixRates {
+    fn default() -> Self {
+        PrefixRates {
+            slots: vec![(0, 0.0, 0.0, 0.0); Self::SLOTS],
+        }
+    }
+}
+
+impl PrefixRates {
+    pub(crate) const SLOTS: usize = 1024;
+    /// The counts' time constant, ms.
+    pub const WINDOW_MS: f64 = 10_000.0;
+
+    /// Requests per second that started a group on the prefix ending with block `hash`, as of
+    /// `now_ms`; 0 for one not counted (or a clock that went back).
+    pub fn per_second(&self, hash: u64, now_ms: f64) -> f64 {
+        let Some(&(h, count, first_ms, at_ms)) = self.slots.get(hash as usize % Self::SLOTS) else {
+            return 0.0;
+        };
+        let age = now_ms - first_ms;
+        if h != hash || hash == 0 || age.is_nan() || age <= 0.0 {
+            return 0.0;
+        }
+        let span_ms = Self::WINDOW_MS * (1.0 - decay(age, Self::WINDOW_MS));
+        let rate = count * decay(now_ms - at_ms, Self::WINDOW_MS) / span_ms * 1000.0;
+        if rate.is_finite() {
+            rate.max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// A request that started a group on the prefix ending with block `hash` at `now_ms`.
+    pub fn record(&mut self, hash: u64, now_ms: f64) {
+        if hash == 0 || !now_ms.is_finite() {
+            return;
+        }
+        let Some(slot) = self.slots.get_mut(hash as usize % Self::SLOTS) else {
+            return;
+        };
+        let kept = slot.1 * decay(now_ms - slot.3, Self::WINDOW_MS);
+        if slot.0 == hash {
+            *slot = (hash, kept + 1.0, slot.2, now_ms.max(slot.3));
+        } else if slot.0 == 0 || kept < 1.0 {
+            *slot = (hash, 1.0, now_ms, now_ms);
+        }
+    }
 }
 
 /// A predicted time in whole milliseconds, as the plugin's response headers carry it: rounded
@@ -1359,6 +1484,7 @@ pub fn predict(
         growing_blocks: growing,
         room_blocks,
         room_ms,
+        copy_credit_ms: 0.0,
         cost_ms: ttft_ms + delay_to_others_ms + room_ms,
     }
 }
@@ -2025,6 +2151,90 @@ mod tests {
             (instant.first_share() - PRIOR_FIRST_SHARE).abs() < 1e-9,
             "{instant:?}"
         );
+    }
+
+    #[test]
+    fn a_copy_is_credited_with_what_it_saves_the_prefix_queueing_at_its_holder() {
+        // The holder: 200 ms of queue for a request that needs 50 ms of a lane (of 2).
+        let holder = Prediction {
+            uncached_tokens: 50,
+            ms_per_token: 1.0,
+            lanes: 2,
+            queue_requests: 4.0,
+            queue_ms: 200.0,
+            ..Prediction::default()
+        };
+        let idle = Prediction::default();
+        // 30 starts/s: 1.5 s of lane time per second over 2 lanes, 75% busy; 30 × 0.2 s = 6
+        // sharers waiting, weighted 0.75, each saving half the 200 ms.
+        let credit = copy_credit_ms(&holder, &idle, 30.0);
+        assert!((credit - 0.5 * 6.0 * 0.75 * 200.0).abs() < 1e-9, "{credit}");
+        // A rarer prefix earns less than in proportion: its queue is mostly others' work.
+        let rare = copy_credit_ms(&holder, &idle, 3.0);
+        assert!((rare - 0.5 * 0.6 * 0.075 * 200.0).abs() < 1e-9, "{rare}");
+        // Utilization is at most 1.
+        let flood = copy_credit_ms(&holder, &idle, 1000.0);
+        assert!((flood - 0.5 * 200.0 * 200.0).abs() < 1e-9, "{flood}");
+        // No credit where the candidate queues too, where the holder does not, or for a prefix
+        // nobody starts on; nothing absurd gets through.
+        let queued = Prediction {
+            queue_requests: 1.0,
+            queue_ms: 50.0,
+            ..Prediction::default()
+        };
+        assert_eq!(copy_credit_ms(&holder, &queued, 30.0), 0.0);
+        assert_eq!(copy_credit_ms(&idle, &idle, 30.0), 0.0);
+        assert_eq!(copy_credit_ms(&holder, &idle, 0.0), 0.0);
+        for bad in [f64::NAN, f64::INFINITY, -5.0] {
+            assert_eq!(copy_credit_ms(&holder, &idle, bad), 0.0, "{bad}");
+        }
+        // The credit comes off the cost, once.
+        let p = Prediction {
+            cost_ms: 500.0,
+            ..Prediction::default()
+        };
+        let credited = p.with_copy_credit(120.0).with_copy_credit(100.0);
+        assert_eq!((credited.copy_credit_ms, credited.cost_ms), (100.0, 400.0));
+        assert_eq!(p.with_copy_credit(f64::NAN).cost_ms, 500.0);
+    }
+
+    #[test]
+    fn prefix_rates_measure_starts_per_second_from_the_first_one_seen() {
+        let mut rates = PrefixRates::default();
+        assert_eq!(rates.per_second(7, 0.0), 0.0);
+        // 30 requests/s for half a second: the rate is measured over what was seen.
+        for i in 0..15 {
+            rates.record(7, f64::from(i) * 1000.0 / 30.0);
+        }
+        let early = rates.per_second(7, 500.0);
+        assert!((early - 30.0).abs() < 3.0, "{early}");
+        // Steady for a minute: the count over the window, about the rate.
+        for i in 15..1800 {
+            rates.record(7, f64::from(i) * 1000.0 / 30.0);
+        }
+        let steady = rates.per_second(7, 60_000.0);
+        assert!((steady - 30.0).abs() < 1.5, "{steady}");
+        // It fades once the prefix stops.
+        assert!(rates.per_second(7, 120_000.0) < 0.1);
+        // A colliding prefix does not take a busy one's slot; it does take a faded one's.
+        let other = 7 + PrefixRates::SLOTS as u64;
+        rates.record(7, 120_000.0);
+        for _ in 0..3 {
+            rates.record(7, 120_000.0);
+        }
+        rates.record(other, 120_001.0);
+        assert_eq!(rates.per_second(other, 121_000.0), 0.0);
+        assert!(rates.per_second(7, 121_000.0) > 0.0);
+        rates.record(other, 500_000.0);
+        rates.record(other, 500_100.0);
+        assert!(rates.per_second(other, 500_200.0) > 0.0);
+        assert_eq!(rates.per_second(7, 500_200.0), 0.0);
+        // Hash 0 is no prefix, a clock that goes back reads nothing, garbage is ignored.
+        rates.record(0, 1.0);
+        assert_eq!(rates.per_second(0, 2.0), 0.0);
+        assert_eq!(rates.per_second(other, 0.0), 0.0);
+        rates.record(9, f64::NAN);
+        assert_eq!(rates.per_second(9, 1.0), 0.0);
     }
 
     #[test]

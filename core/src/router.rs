@@ -12,7 +12,9 @@ use thiserror::Error;
 
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore, Turn};
-use crate::latency::{predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction};
+use crate::latency::{
+    copy_credit_ms, predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction, PrefixRates,
+};
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
 pub use crate::config::{Policy, RouterConfig, SaturationFilter, Weights};
@@ -169,7 +171,7 @@ impl Decision {
                     Some(p) => format!(
                         "{mark} {}: match {}/{}{}, {} uncached tokens, queue {:.0} ms ({:.1} requests), \
                          TTFT {:.0} ms at {:.3} ms/token and {} lanes, delay to others {:.0} ms, \
-                         room {:.1} blocks {:.0} ms, cost {:.0} ms, {room}{state}",
+                         room {:.1} blocks {:.0} ms, {}cost {:.0} ms, {room}{state}",
                         name(i),
                         s.matched_blocks,
                         self.total_blocks,
@@ -183,6 +185,11 @@ impl Decision {
                         p.delay_to_others_ms,
                         p.room_blocks,
                         p.room_ms,
+                        if p.copy_credit_ms > 0.0 {
+                            format!("copy credit {:.0} ms, ", p.copy_credit_ms)
+                        } else {
+                            String::new()
+                        },
                         p.cost_ms,
                     ),
                     None => format!(
@@ -353,6 +360,8 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     /// When each recent request's full blocks ended (its last block hash → the clock then),
     /// so a request that continues one measures its group's gap ([`GroupGrowth::observe_gap`]).
     ends: RecentEnds,
+    /// How often requests start groups on each shared prefix (for `latency`'s copy credit).
+    starts: PrefixRates,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -379,6 +388,7 @@ impl<S: PrefixStore> Router<S> {
             live: LiveGroups::new(endpoints),
             now_ms: 0.0,
             ends: RecentEnds::new(),
+            starts: PrefixRates::default(),
             tie_key: None,
         }
     }
@@ -561,7 +571,7 @@ impl<S: PrefixStore> Router<S> {
         let future_blocks = self.growth.future_blocks(continued);
         let live_group_blocks = self.growth.live_group_blocks();
         let gap_ms = self.growth.mean_gap_ms();
-        (0..loads.len())
+        let mut scores: Vec<EndpointScores> = (0..loads.len())
             .map(|i| {
                 let matched_blocks: usize = matches.of(i).iter().sum();
                 let matched_tokens = (matched_blocks * block_size).min(total_tokens);
@@ -613,7 +623,15 @@ impl<S: PrefixStore> Router<S> {
                     continues: matches.continues[i].is_some(),
                 }
             })
-            .collect()
+            .collect();
+        if let (None, [chain]) = (continued, hashes.chains.as_slice()) {
+            credit_copies(&mut scores, |held| {
+                chain
+                    .get(held - 1)
+                    .map_or(0.0, |&h| self.starts.per_second(h, self.now_ms))
+            });
+        }
+        scores
     }
 
     /// Records a decision: the chosen endpoint now (believably) holds the request's full
@@ -645,6 +663,14 @@ impl<S: PrefixStore> Router<S> {
             self.store
                 .mark_end(endpoint, chain[full - 1], Turn::of(decision.continued));
             self.ends.insert(chain[full - 1], self.now_ms);
+        }
+        // A group started on a shared prefix: counted for the copy credit under the prefix's
+        // longest believed holding (the block a later request's holder lookup keys by).
+        if let (None, [chain]) = (decision.continued, hashes.chains.as_slice()) {
+            let held = decision.scores.iter().map(|s| s.matched_blocks).max();
+            if let Some(&h) = held.and_then(|m| chain.get(m.checked_sub(1)?)) {
+                self.starts.record(h, self.now_ms);
+            }
         }
         let new_blocks = decision.total_blocks.saturating_sub(
             decision
@@ -884,6 +910,47 @@ pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize)
 
 pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
     ranked_after(scores, eligible, chosen).first().copied()
+}
+
+/// Credits each eligible endpoint that holds less of the request's prefix than the best
+/// holder with what a copy there saves the requests queueing for the prefix at that holder
+/// ([`crate::latency::copy_credit_ms`]; `starts_per_s(held)`: how often requests start a group
+/// on the first `held` blocks, shared among the replicas that hold as many). The holder: the
+/// eligible endpoint with the longest believed match, the shortest queue among equals. Called
+/// for a group's first request only.
+fn credit_copies(scores: &mut [EndpointScores], starts_per_s: impl Fn(usize) -> f64) {
+    let holder = scores
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.excluded && s.matched_blocks > 0)
+        .filter_map(|(i, s)| s.prediction.map(|p| (i, s.matched_blocks, p)))
+        .min_by(|a, b| b.1.cmp(&a.1).then(a.2.queue_ms.total_cmp(&b.2.queue_ms)));
+    let Some((h, held, at_holder)) = holder else {
+        return;
+    };
+    if at_holder.queue_ms <= 0.0 {
+        return;
+    }
+    // The prefix's requests spread over every replica that holds it as far.
+    let holders = scores
+        .iter()
+        .filter(|s| !s.excluded && s.matched_blocks == held)
+        .count()
+        .max(1);
+    let rate = starts_per_s(held) / holders as f64;
+    for (i, s) in scores.iter_mut().enumerate() {
+        if i == h || s.excluded || s.matched_blocks >= held {
+            continue;
+        }
+        if let Some(p) = s.prediction {
+            let credit = copy_credit_ms(&at_holder, &p, rate);
+            if credit > 0.0 {
+                let credited = p.with_copy_credit(credit);
+                s.total = -credited.cost_ms;
+                s.prediction = Some(credited);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1257,6 +1324,60 @@ mod tests {
         let other = hashes("zz yy ");
         let d3 = r.pick(&other, &idle(2)).unwrap();
         assert_eq!(r.commit(&d3, &other).unwrap().now_ms, 2_500.0);
+    }
+
+    #[test]
+    fn a_first_request_on_a_prefix_that_queues_at_its_holder_credits_a_copy_elsewhere() {
+        let shared: String = (0..40).map(|i| format!("s{i} ")).collect();
+        let question = |i: usize| hashes(&format!("{shared}q{i} x{i} "));
+        let mut r = router(Policy::Latency, 2);
+        // 30 questions a second on one prefix, all held by the endpoint the first went to.
+        let mut home = None;
+        for i in 0..15 {
+            r.set_now(i as f64 * 1000.0 / 30.0);
+            let h = question(i);
+            let d = r.pick(&h, &idle(2)).unwrap();
+            assert_eq!(*home.get_or_insert(d.endpoint), d.endpoint);
+            r.commit(&d, &h).unwrap();
+        }
+        let (home, other) = (home.unwrap(), 1 - home.unwrap());
+        // Now the holder has four prefills of 100 tokens ahead on one lane; the other is idle.
+        let mut loads = idle(2);
+        for load in &mut loads {
+            load.latency.lanes = Some(1);
+            load.latency.ms_per_token = Some(1.0);
+        }
+        loads[home].latency.work = crate::latency::EndpointWork {
+            in_flight: 4,
+            prefilling: 4,
+            prefill_tokens: 400,
+        };
+        r.set_now(500.0);
+        let h = question(15);
+        let d = r.pick(&h, &loads).unwrap();
+        let at = |e: usize| d.scores[e].prediction.unwrap();
+        assert_eq!(at(home).copy_credit_ms, 0.0, "the holder makes no copy");
+        let credit = at(other).copy_credit_ms;
+        assert!(credit > 0.0, "{:?}", at(other));
+        assert!((d.scores[other].total + at(other).cost_ms).abs() < 1e-9);
+        assert!(d
+            .endpoint_lines(&[])
+            .iter()
+            .any(|l| l.contains("copy credit")));
+        // A continuation's prefix is its own history, which nobody else shares: no credit.
+        let next = hashes(&format!("{shared}q3 x3 more words "));
+        let d = r.pick(&next, &loads).unwrap();
+        assert!(d.continued.is_some());
+        assert!(d
+            .scores
+            .iter()
+            .all(|s| s.prediction.unwrap().copy_credit_ms == 0.0));
+        // Nor where the holder does not queue.
+        let d = r.pick(&question(16), &idle(2)).unwrap();
+        assert!(d
+            .scores
+            .iter()
+            .all(|s| s.prediction.unwrap().copy_credit_ms == 0.0));
     }
 
     #[test]

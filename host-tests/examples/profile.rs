@@ -1,6 +1,6 @@
-//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS]`:
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
-//! VM with 3 endpoints and prints the wasm instructions per request and per token. Cold: each
+//! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per token. Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -45,8 +45,16 @@ fn run() -> Result<(), String> {
             .map_err(|_| format!("REQUESTS must be a number, not {n:?}"))?,
         None => 300,
     };
+    let endpoints: usize = match args.get(3) {
+        Some(n) => n
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("ENDPOINTS must be a number above 0, not {n:?}"))?,
+        None => 3,
+    };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
-    let config = host_tests::bench::endpoint_config(3).to_string();
+    let config = host_tests::bench::endpoint_config(endpoints).to_string();
     let mut vm = host
         .configured_vm(config.as_bytes())
         .map_err(|e| format!("{e:#}"))?;
