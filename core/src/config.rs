@@ -41,7 +41,7 @@ pub enum ConfigError {
     BadHeader(String),
 }
 
-fn out_of_range(
+pub(crate) fn out_of_range(
     field: &'static str,
     expected: &'static str,
     got: impl fmt::Display,

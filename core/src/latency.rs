@@ -27,7 +27,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::config::ConfigError;
+use crate::config::{out_of_range, ConfigError};
 use crate::hashing::BlockHashes;
 use crate::index::Turn;
 
@@ -76,14 +76,6 @@ impl Default for LatencyConfig {
             fleet_tokens: 16384.0,
             window_tokens: 65536.0,
         }
-    }
-}
-
-fn out_of_range(field: &'static str, expected: &'static str, got: f64) -> ConfigError {
-    ConfigError::OutOfRange {
-        field,
-        expected,
-        got: got.to_string(),
     }
 }
 
