@@ -55,6 +55,16 @@ JSON output (--json) is one object; its field names are stable:
                            usage within --settle-s)
 Ratios are in 0..1 and null when nothing was counted; latencies are null when nothing succeeded.
 
+--requests-out FILE writes one JSON object per request, in trace order:
+  index, group, at_ms      its place in the trace and its timestamp
+  send_lag_ms, latency_ms  as above (latency also for failed requests: until the failure)
+  endpoint                 as above; null for a failed request
+  prompt_tokens, cached_tokens  the response's usage; null without one
+  router                   {name: value} of the router's x-prefixroute-* headers but the
+                           endpoint (policy, match, uncached-tokens, queue-ms, ttft-ms,
+                           fallback); empty from a router that sets none
+  error                    null, or the failure's message
+
 A streaming body without stream_options is sent with {\"include_usage\": true} so that its
 usage can be counted; every other body is sent exactly as written.
 
@@ -91,6 +101,10 @@ pub struct Args {
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long)]
     no_progress: bool,
+    /// Also write one JSON line per request to FILE: where it went, how long it took, and the
+    /// router's explanation from its response headers (fields below).
+    #[arg(long, value_name = "FILE")]
+    requests_out: Option<PathBuf>,
 }
 
 fn positive(s: &str) -> Result<usize, String> {
@@ -131,6 +145,8 @@ struct Run {
     timeout: Duration,
     settle: Duration,
     progress: bool,
+    /// Where to write one line per request (`--requests-out`).
+    requests_out: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -150,6 +166,7 @@ pub fn run(args: Args) -> Result<()> {
         timeout: Duration::from_secs_f64(args.timeout_s),
         settle: Duration::from_secs_f64(args.settle_s),
         progress: !args.no_progress && std::io::stderr().is_terminal(),
+        requests_out: args.requests_out,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -184,6 +201,7 @@ pub fn replay_records(
         timeout,
         settle,
         progress: false,
+        requests_out: None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -199,10 +217,15 @@ async fn replay(run: Run) -> Result<(Summary, Option<anyhow::Error>)> {
     let client = HttpClient::new(run.timeout);
     let before = counters::scrape_all(&client, &run.targets).await?;
     let progress = progress_bar(run.requests.len(), run.progress);
+    let at: Vec<Duration> = run.requests.iter().map(|r| r.at).collect();
     let started = Instant::now();
     let outcomes = fire(&client, run.requests, run.limit, &progress).await;
     let duration = started.elapsed();
     progress.finish_and_clear();
+    if let Some(path) = &run.requests_out {
+        write_requests(path, &at, &outcomes)
+            .with_context(|| format!("--requests-out {}", path.display()))?;
+    }
 
     let reported: u64 = outcomes
         .iter()
@@ -237,6 +260,42 @@ async fn replay(run: Run) -> Result<(Summary, Option<anyhow::Error>)> {
         server_counters,
     );
     Ok((summary, late_error))
+}
+
+/// One request's line of `--requests-out`.
+fn request_line(index: usize, at: Duration, outcome: &Outcome) -> serde_json::Value {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let answer = outcome.result.as_ref().ok();
+    let usage = answer.and_then(|a| a.usage);
+    let router: serde_json::Map<String, serde_json::Value> = answer
+        .map(|a| a.router.as_slice())
+        .unwrap_or_default()
+        .iter()
+        .map(|(name, value)| (name.clone(), value.clone().into()))
+        .collect();
+    serde_json::json!({
+        "index": index,
+        "group": outcome.group,
+        "at_ms": ms(at),
+        "send_lag_ms": ms(outcome.send_lag),
+        "latency_ms": ms(outcome.latency),
+        "endpoint": answer.and_then(|a| a.endpoint.clone()),
+        "prompt_tokens": usage.map(|u| u.prompt_tokens),
+        "cached_tokens": usage.map(|u| u.cached_tokens),
+        "router": router,
+        "error": outcome.result.as_ref().err().map(ToString::to_string),
+    })
+}
+
+fn write_requests(path: &std::path::Path, at: &[Duration], outcomes: &[Outcome]) -> Result<()> {
+    use std::io::Write;
+    let file = std::fs::File::create(path).context("cannot create the file")?;
+    let mut out = std::io::BufWriter::new(file);
+    for (index, (at, outcome)) in at.iter().zip(outcomes).enumerate() {
+        serde_json::to_writer(&mut out, &request_line(index, *at, outcome))?;
+        out.write_all(b"\n")?;
+    }
+    out.flush().context("cannot write the file")
 }
 
 fn progress_bar(len: usize, visible: bool) -> ProgressBar {
@@ -297,4 +356,70 @@ async fn fire(
         }));
     }
     outcomes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::send::{Answer, Usage};
+    use super::*;
+    use hyper::StatusCode;
+
+    #[test]
+    fn a_request_line_carries_where_it_went_and_why_or_what_failed() {
+        let ok = Outcome {
+            group: "tenant-3".into(),
+            send_lag: Duration::from_micros(1500),
+            latency: Duration::from_millis(40),
+            result: Ok(Answer {
+                endpoint: Some("r2".into()),
+                usage: Some(Usage {
+                    prompt_tokens: 500,
+                    cached_tokens: 480,
+                }),
+                router: vec![("ttft-ms".into(), "37".into())],
+            }),
+        };
+        let line = request_line(7, Duration::from_millis(250), &ok);
+        assert_eq!(
+            line,
+            serde_json::json!({
+                "index": 7, "group": "tenant-3", "at_ms": 250.0, "send_lag_ms": 1.5,
+                "latency_ms": 40.0, "endpoint": "r2", "prompt_tokens": 500,
+                "cached_tokens": 480, "router": {"ttft-ms": "37"}, "error": null,
+            })
+        );
+        let failed = Outcome {
+            group: "g".into(),
+            send_lag: Duration::ZERO,
+            latency: Duration::from_millis(3),
+            result: Err(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)),
+        };
+        let line = request_line(0, Duration::ZERO, &failed);
+        assert_eq!(line["endpoint"], serde_json::Value::Null);
+        assert_eq!(line["router"], serde_json::json!({}));
+        assert_eq!(line["error"], "HTTP 503 Service Unavailable");
+    }
+
+    #[test]
+    fn requests_are_written_one_line_each_in_trace_order() {
+        let dir = std::env::temp_dir().join(format!("prefixroute-requests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("requests.jsonl");
+        let outcome = |group: &str| Outcome {
+            group: group.into(),
+            send_lag: Duration::ZERO,
+            latency: Duration::from_millis(1),
+            result: Err(Failure::Timeout(Duration::from_secs(1))),
+        };
+        let at = [Duration::ZERO, Duration::from_millis(50)];
+        write_requests(&path, &at, &[outcome("a"), outcome("b")]).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let groups: Vec<String> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["group"].to_string())
+            .collect();
+        assert_eq!(groups, vec!["\"a\"", "\"b\""]);
+        assert!(write_requests(&dir.join("no/such/dir/x"), &at, &[]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -17,6 +17,9 @@ use super::client::{BaseUrl, Exchange, Failure, HttpClient};
 const ROUTER_ENDPOINT: &str = "x-prefixroute-endpoint";
 /// Set by `prefixroute fake-server` (and easy to add to any replica).
 const SERVED_BY: &str = "x-served-by";
+/// The plugin's explanation of a decision: `x-prefixroute-policy`, `-match`,
+/// `-uncached-tokens`, `-queue-ms`, `-ttft-ms`, `-fallback`.
+const ROUTER_HEADERS: &str = "x-prefixroute-";
 
 /// A request ready to go: everything that costs time is done before the clock starts.
 #[derive(Debug, Clone)]
@@ -120,6 +123,24 @@ fn endpoint_of(headers: &HeaderMap) -> Option<String> {
 pub struct Answer {
     pub endpoint: Option<String>,
     pub usage: Option<Usage>,
+    /// The router's explanation, when it gave one: every `x-prefixroute-*` header but the
+    /// endpoint, by name without the prefix, in the order received.
+    pub router: Vec<(String, String)>,
+}
+
+fn router_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter_map(|(name, value)| {
+            let name = name.as_str().strip_prefix(ROUTER_HEADERS)?;
+            (name != "endpoint").then(|| {
+                (
+                    name.to_string(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone)]
@@ -139,6 +160,7 @@ fn answer(exchange: Exchange) -> Result<Answer, Failure> {
     Ok(Answer {
         endpoint: endpoint_of(&exchange.headers),
         usage: usage_of(&exchange.headers, &exchange.body),
+        router: router_headers(&exchange.headers),
     })
 }
 
@@ -162,6 +184,29 @@ mod tests {
     use super::*;
     use hyper::header::HeaderValue;
     use serde_json::json;
+
+    #[test]
+    fn the_routers_explanation_is_every_prefixroute_header_but_the_endpoint() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("x-prefixroute-endpoint", "r1"),
+            ("x-prefixroute-policy", "latency"),
+            ("x-prefixroute-ttft-ms", "42"),
+            ("x-served-by", "replica-1"),
+            ("content-type", "application/json"),
+        ] {
+            headers.insert(name, HeaderValue::from_static(value));
+        }
+        assert_eq!(
+            router_headers(&headers),
+            vec![
+                ("policy".to_string(), "latency".to_string()),
+                ("ttft-ms".to_string(), "42".to_string())
+            ]
+        );
+        assert_eq!(endpoint_of(&headers).as_deref(), Some("r1"));
+        assert!(router_headers(&HeaderMap::new()).is_empty());
+    }
 
     #[test]
     fn path_follows_the_prompt_field() {

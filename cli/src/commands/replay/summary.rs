@@ -315,6 +315,7 @@ mod tests {
                     prompt_tokens: prompt,
                     cached_tokens: cached,
                 }),
+                router: Vec::new(),
             }),
         }
     }
