@@ -210,3 +210,69 @@ fn bad_trace_url_or_metrics_exit_2_with_one_line() {
     // Nothing was sent by any of the refused runs.
     assert_eq!(a.metrics().prefix_cache_queries_total, Some(0.0));
 }
+
+#[test]
+fn requests_out_has_one_line_per_request_whose_usage_adds_up_to_the_report() {
+    let trace = write_trace("requests-out.jsonl");
+    let a = FakeServer::start("a", &[]);
+    let lines_path = temp("requests-out-lines.jsonl");
+    let out = replay(
+        &trace,
+        &[
+            "--url",
+            &a.url(),
+            "--json",
+            "--requests-out",
+            lines_path.to_str().unwrap(),
+        ],
+    );
+    let report = json_of(&out);
+    let text = std::fs::read_to_string(&lines_path).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), REQUESTS);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["index"], i);
+        assert_eq!(
+            line["endpoint"], "a",
+            "x-served-by without a router: {line}"
+        );
+        assert_eq!(line["error"], Value::Null);
+        assert_eq!(line["router"], serde_json::json!({}), "no router in front");
+    }
+    let sum = |field: &str| {
+        lines
+            .iter()
+            .map(|l| l[field].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(sum("prompt_tokens"), report["usage"]["prompt_tokens"]);
+    assert_eq!(sum("cached_tokens"), report["usage"]["cached_tokens"]);
+    let at: Vec<f64> = lines.iter().map(|l| l["at_ms"].as_f64().unwrap()).collect();
+    assert!(at.windows(2).all(|w| w[0] <= w[1]), "trace order: {at:?}");
+
+    // A file that cannot be written fails before anything is sent, with a clear message.
+    let before = a.metrics().prefix_cache_queries_total;
+    let out = replay(
+        &trace,
+        &[
+            "--url",
+            &a.url(),
+            "--requests-out",
+            "/nonexistent-dir/x.jsonl",
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--requests-out /nonexistent-dir/x.jsonl: cannot create it"),
+        "{err}"
+    );
+    assert_eq!(
+        a.metrics().prefix_cache_queries_total,
+        before,
+        "nothing was sent"
+    );
+}

@@ -145,8 +145,9 @@ struct Run {
     timeout: Duration,
     settle: Duration,
     progress: bool,
-    /// Where to write one line per request (`--requests-out`).
-    requests_out: Option<PathBuf>,
+    /// Where to write one line per request (`--requests-out`), created before anything is
+    /// sent so that a path that cannot be written fails before the run, not after it.
+    requests_out: Option<(PathBuf, std::fs::File)>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -166,7 +167,15 @@ pub fn run(args: Args) -> Result<()> {
         timeout: Duration::from_secs_f64(args.timeout_s),
         settle: Duration::from_secs_f64(args.settle_s),
         progress: !args.no_progress && std::io::stderr().is_terminal(),
-        requests_out: args.requests_out,
+        requests_out: match args.requests_out {
+            Some(path) => {
+                let file = std::fs::File::create(&path).with_context(|| {
+                    format!("--requests-out {}: cannot create it", path.display())
+                })?;
+                Some((path, file))
+            }
+            None => None,
+        },
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -222,8 +231,8 @@ async fn replay(run: Run) -> Result<(Summary, Option<anyhow::Error>)> {
     let outcomes = fire(&client, run.requests, run.limit, &progress).await;
     let duration = started.elapsed();
     progress.finish_and_clear();
-    if let Some(path) = &run.requests_out {
-        write_requests(path, &at, &outcomes)
+    if let Some((path, file)) = run.requests_out {
+        write_requests(file, &at, &outcomes)
             .with_context(|| format!("--requests-out {}", path.display()))?;
     }
 
@@ -287,9 +296,8 @@ fn request_line(index: usize, at: Duration, outcome: &Outcome) -> serde_json::Va
     })
 }
 
-fn write_requests(path: &std::path::Path, at: &[Duration], outcomes: &[Outcome]) -> Result<()> {
+fn write_requests(file: std::fs::File, at: &[Duration], outcomes: &[Outcome]) -> Result<()> {
     use std::io::Write;
-    let file = std::fs::File::create(path).context("cannot create the file")?;
     let mut out = std::io::BufWriter::new(file);
     for (index, (at, outcome)) in at.iter().zip(outcomes).enumerate() {
         serde_json::to_writer(&mut out, &request_line(index, *at, outcome))?;
@@ -412,14 +420,14 @@ mod tests {
             result: Err(Failure::Timeout(Duration::from_secs(1))),
         };
         let at = [Duration::ZERO, Duration::from_millis(50)];
-        write_requests(&path, &at, &[outcome("a"), outcome("b")]).unwrap();
+        let file = std::fs::File::create(&path).unwrap();
+        write_requests(file, &at, &[outcome("a"), outcome("b")]).unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         let groups: Vec<String> = text
             .lines()
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["group"].to_string())
             .collect();
         assert_eq!(groups, vec!["\"a\"", "\"b\""]);
-        assert!(write_requests(&dir.join("no/such/dir/x"), &at, &[]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
