@@ -497,9 +497,11 @@ def make_trace(env, spec, requests, path):
     subprocess.run([str(a) for a in argv], check=True, capture_output=True, timeout=60)
 
 
-def replay(env, trace, url, fleet, timeout_s):
+def replay(env, trace, url, fleet, timeout_s, tag):
+    """One replay; every request's line (where it went, its latency, the plugin's explanation
+    headers) is kept in the run's logs as `<tag>.requests.jsonl`."""
     argv = [env.prefixroute, "replay", trace, "--url", url, "--json", "--no-progress",
-            "--timeout-s", 60]
+            "--timeout-s", 60, "--requests-out", env.logs / f"{tag}.requests.jsonl"]
     for r in fleet:
         argv += ["--metrics", f"{r.name}={r.url}"]
     r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
@@ -556,7 +558,7 @@ def run_one(env, kind, sc, trace, requests, per_token_ms, tag):
     try:
         router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
         t0 = time.monotonic()
-        summary = replay(env, trace, router.url, fleet, budget)
+        summary = replay(env, trace, router.url, fleet, budget, f"{tag}-{kind}")
         row = summarize_replay(summary, [r.name for r in fleet])
         row["wall_s"] = time.monotonic() - t0
         row["plugin_stats"] = router.plugin_stats()
@@ -753,7 +755,7 @@ def run_cache(env, scenarios, routers, quick):
             try:
                 router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
                 t0 = time.monotonic()
-                summary = replay(env, trace, router.url, fleet, budget)
+                summary = replay(env, trace, router.url, fleet, budget, f"{tag}-{kind}")
                 row = summarize_replay(summary, [r.name for r in fleet])
                 row["wall_s"] = time.monotonic() - t0
                 row["plugin_stats"] = router.plugin_stats()
