@@ -853,14 +853,24 @@ pub fn copy_credit_ms(holder: &Prediction, candidate: &Prediction, starts_per_s:
 /// sees are its share of the fleet's, so with several workers the credit errs low.
 #[derive(Debug, Clone)]
 pub struct PrefixRates {
-    /// `(hash, decayed count, first seen ms, counted to ms)`; hash 0 is an empty slot.
-    slots: Vec<(u64, f64, f64, f64)>,
+    slots: Vec<RateSlot>,
+}
+
+/// One prefix's count in [`PrefixRates`]; hash 0 is an empty slot.
+#[derive(Debug, Clone, Copy, Default)]
+struct RateSlot {
+    hash: u64,
+    /// Starts counted, decayed to `at_ms`.
+    count: f64,
+    /// When the prefix was first counted.
+    first_ms: f64,
+    at_ms: f64,
 }
 
 impl Default for PrefixRates {
     fn default() -> Self {
         PrefixRates {
-            slots: vec![(0, 0.0, 0.0, 0.0); Self::SLOTS],
+            slots: vec![RateSlot::default(); Self::SLOTS],
         }
     }
 }
@@ -873,15 +883,15 @@ impl PrefixRates {
     /// Requests per second that started a group on the prefix ending with block `hash`, as of
     /// `now_ms`; 0 for one not counted (or a clock that went back).
     pub fn per_second(&self, hash: u64, now_ms: f64) -> f64 {
-        let Some(&(h, count, first_ms, at_ms)) = self.slots.get(hash as usize % Self::SLOTS) else {
+        let Some(slot) = self.slots.get(hash as usize % Self::SLOTS) else {
             return 0.0;
         };
-        let age = now_ms - first_ms;
-        if h != hash || hash == 0 || age.is_nan() || age <= 0.0 {
+        let age = now_ms - slot.first_ms;
+        if slot.hash != hash || hash == 0 || age.is_nan() || age <= 0.0 {
             return 0.0;
         }
         let span_ms = Self::WINDOW_MS * (1.0 - decay(age, Self::WINDOW_MS));
-        let rate = count * decay(now_ms - at_ms, Self::WINDOW_MS) / span_ms * 1000.0;
+        let rate = slot.count * decay(now_ms - slot.at_ms, Self::WINDOW_MS) / span_ms * 1000.0;
         if rate.is_finite() {
             rate.max(0.0)
         } else {
@@ -897,11 +907,17 @@ impl PrefixRates {
         let Some(slot) = self.slots.get_mut(hash as usize % Self::SLOTS) else {
             return;
         };
-        let kept = slot.1 * decay(now_ms - slot.3, Self::WINDOW_MS);
-        if slot.0 == hash {
-            *slot = (hash, kept + 1.0, slot.2, now_ms.max(slot.3));
-        } else if slot.0 == 0 || kept < 1.0 {
-            *slot = (hash, 1.0, now_ms, now_ms);
+        let kept = slot.count * decay(now_ms - slot.at_ms, Self::WINDOW_MS);
+        if slot.hash == hash {
+            slot.count = kept + 1.0;
+            slot.at_ms = now_ms.max(slot.at_ms);
+        } else if slot.hash == 0 || kept < 1.0 {
+            *slot = RateSlot {
+                hash,
+                count: 1.0,
+                first_ms: now_ms,
+                at_ms: now_ms,
+            };
         }
     }
 }

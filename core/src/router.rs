@@ -626,9 +626,7 @@ impl<S: PrefixStore> Router<S> {
             .collect();
         if let (None, [chain]) = (continued, hashes.chains.as_slice()) {
             credit_copies(&mut scores, |held| {
-                chain
-                    .get(held - 1)
-                    .map_or(0.0, |&h| self.starts.per_second(h, self.now_ms))
+                prefix_end(chain, held).map_or(0.0, |h| self.starts.per_second(h, self.now_ms))
             });
         }
         scores
@@ -668,7 +666,7 @@ impl<S: PrefixStore> Router<S> {
         // longest believed holding (the block a later request's holder lookup keys by).
         if let (None, [chain]) = (decision.continued, hashes.chains.as_slice()) {
             let held = decision.scores.iter().map(|s| s.matched_blocks).max();
-            if let Some(&h) = held.and_then(|m| chain.get(m.checked_sub(1)?)) {
+            if let Some(h) = held.and_then(|m| prefix_end(chain, m)) {
                 self.starts.record(h, self.now_ms);
             }
         }
@@ -910,6 +908,12 @@ pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize)
 
 pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
     ranked_after(scores, eligible, chosen).first().copied()
+}
+
+/// The block a believed match of `held` blocks of `chain` ends with: the key the copy credit
+/// counts a shared prefix by ([`PrefixRates`]).
+fn prefix_end(chain: &[u64], held: usize) -> Option<u64> {
+    chain.get(held.checked_sub(1)?).copied()
 }
 
 /// Credits each eligible endpoint that holds less of the request's prefix than the best
