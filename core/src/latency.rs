@@ -80,6 +80,22 @@ impl Default for LatencyConfig {
 }
 
 impl LatencyConfig {
+    /// `ms` within `min_ms_per_token..=max_ms_per_token`: what `f64::clamp` returns whenever
+    /// it does not panic. Not `f64::clamp` itself: its panic (bounds out of order or not a
+    /// number, which [`Self::validate`] rules out) formats both floats with `Debug`, and that
+    /// branch, which the data plane never takes, kept float formatting code in the plugin's
+    /// `.wasm` that nothing else needs (docs/benchmarks.md).
+    pub fn bounded_ms_per_token(&self, ms: f64) -> f64 {
+        let mut ms = ms;
+        if ms < self.min_ms_per_token {
+            ms = self.min_ms_per_token;
+        }
+        if ms > self.max_ms_per_token {
+            ms = self.max_ms_per_token;
+        }
+        ms
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = |field, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -245,12 +261,12 @@ impl PrefillRate {
         weight_tokens: f64,
         config: &LatencyConfig,
     ) -> f64 {
-        let prior = prior.clamp(config.min_ms_per_token, config.max_ms_per_token);
+        let prior = config.bounded_ms_per_token(prior);
         if !self.usable() {
             return prior;
         }
         let estimate = (self.busy_ms + prior * weight_tokens) / (self.work_tokens + weight_tokens);
-        estimate.clamp(config.min_ms_per_token, config.max_ms_per_token)
+        config.bounded_ms_per_token(estimate)
     }
 
     /// Milliseconds per uncached token from these observations and the configured prior.
@@ -1434,11 +1450,12 @@ pub fn predict(
     let total_tokens = hashes.total_tokens();
     let cached = cached_tokens(hashes, matched).min(total_tokens);
     let uncached = total_tokens - cached;
-    let ms_per_token = inputs
-        .ms_per_token
-        .filter(|v| v.is_finite() && *v > 0.0)
-        .unwrap_or(config.prefill_ms_per_token)
-        .clamp(config.min_ms_per_token, config.max_ms_per_token);
+    let ms_per_token = config.bounded_ms_per_token(
+        inputs
+            .ms_per_token
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .unwrap_or(config.prefill_ms_per_token),
+    );
     let lanes = inputs.lanes.unwrap_or(config.lanes).clamp(1, MAX_LANES);
     let hold_ms = inputs
         .hold_ms
