@@ -44,14 +44,44 @@ pub enum ConfigError {
 pub(crate) fn out_of_range(
     field: &'static str,
     expected: &'static str,
-    got: impl fmt::Display,
+    got: impl Shown,
 ) -> ConfigError {
     ConfigError::OutOfRange {
         field,
         expected,
-        got: got.to_string(),
+        got: got.shown(),
     }
 }
+
+/// A configured value as an error message shows it.
+pub(crate) trait Shown {
+    fn shown(self) -> String;
+}
+
+/// Whole numbers as integers (`got 0`, not `got 0.0`), others through `zmij`, the formatter
+/// serde_json's own messages use. Not `core::fmt`'s: its float code (~10 KB of the plugin's
+/// `.wasm`, docs/benchmarks.md) was there for these messages alone.
+impl Shown for f64 {
+    fn shown(self) -> String {
+        // Exactly representable, and far inside i64.
+        if self.fract() == 0.0 && self.abs() < 1e15 {
+            (self as i64).to_string()
+        } else {
+            zmij::Buffer::new().format(self).to_string()
+        }
+    }
+}
+
+macro_rules! shown_as_displayed {
+    ($($t:ty),*) => {$(
+        impl Shown for $t {
+            fn shown(self) -> String {
+                self.to_string()
+            }
+        }
+    )*};
+}
+shown_as_displayed!(i32, u32, u64, usize, &str, &String);
 
 /// Routing policies: `latency` is the product; the others are baselines in the same router so
 /// comparisons differ only in the decision rule.
@@ -948,6 +978,19 @@ impl PluginConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_range_values_read_as_the_standard_formatter_would_write_them() {
+        for v in [0.0, -1.0, 4096.0, 1.5, 0.001, -2.25, 123_456.789, f64::NAN] {
+            assert_eq!(v.shown(), format!("{v}"), "{v}");
+        }
+        // Only where the two disagree does the message read differently, never wrongly.
+        assert_eq!(f64::INFINITY.shown(), "inf");
+        assert_eq!(1e20.shown(), "1e+20");
+        assert_eq!(1e-7.shown(), "1e-7");
+        let e = out_of_range("latency.lanes", "in 1..4096", f64::from(0u32));
+        assert_eq!(e.to_string(), "latency.lanes must be in 1..4096, got 0");
+    }
 
     #[test]
     fn policies_round_trip_by_name() {
