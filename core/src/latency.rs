@@ -1412,8 +1412,18 @@ impl LiveGroups {
 pub struct Footprint {
     /// The request continues an earlier one on this endpoint (its group already lives there).
     pub continues: bool,
+    /// The request is its group's second (it continues a first request): the first moment the
+    /// router knows the group grows, so the group is placed again as what it is, its future
+    /// blocks priced where it lives too (see `future_blocks`).
+    pub second_request: bool,
     /// Blocks the group is expected to add later ([`GroupGrowth::future_blocks`]); counted
-    /// where the request would start (or move) its group, not where it continues it.
+    /// where the request would start (or move) its group, not where it continues it, except
+    /// for a second request. A group's first request was priced as any first request (most of
+    /// which nobody follows, and before any continuation was seen as growing nothing), so
+    /// groups that start together before the router has seen one continue all start next to
+    /// their shared prefix; at their second request staying costs what their growth will
+    /// displace there, and they spread (docs/benchmarks.md). Later requests stay: by then a
+    /// move costs their history.
     pub future_blocks: f64,
     /// Blocks the groups already living on the endpoint are expected to add
     /// ([`LiveGroups::on`] × [`GroupGrowth::live_group_blocks`]): room that is taken soon
@@ -1478,7 +1488,7 @@ pub fn predict(
     } else {
         new_blocks.saturating_sub(room.free_blocks())
     };
-    let future = if footprint.continues {
+    let future = if footprint.continues && !footprint.second_request {
         0.0
     } else {
         footprint.future_blocks.max(0.0)
@@ -1718,12 +1728,11 @@ mod tests {
         let continuing = Footprint {
             continues: true,
             future_blocks: 30.0,
-            growing_blocks: 0.0,
+            ..Footprint::default()
         };
         let starting = Footprint {
             continues: false,
-            future_blocks: 30.0,
-            growing_blocks: 0.0,
+            ..continuing
         };
         // 8 new blocks at half occupancy: 4 blocks of 16 tokens at 1 ms.
         let c = predict(&h, &[2], half, continuing, &idle, &config());
@@ -1731,6 +1740,14 @@ mod tests {
         // A group that starts here also brings its expected 30 later blocks.
         let s = predict(&h, &[2], half, starting, &idle, &config());
         assert_eq!(s.room_blocks, (8.0 + 30.0) * 0.5);
+        // So does a group's second request where the group lives: it is placed again, now
+        // that the group is known to grow.
+        let second = Footprint {
+            second_request: true,
+            ..continuing
+        };
+        let r = predict(&h, &[2], half, second, &idle, &config());
+        assert_eq!(r.room_blocks, s.room_blocks);
         // Groups already living here will take 25 more blocks: the cache is three quarters
         // full for this request's blocks; past full (5.5 times) each block displaces a needed
         // one and is itself pushed out before it is used again with the chance 1 - 1/5.5.

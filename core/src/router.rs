@@ -32,8 +32,13 @@ pub struct EndpointScores {
     /// single-signal policies, minus the predicted cost in ms for `latency`, 0 for
     /// `round-robin` and `random`, which do not score.
     pub total: f64,
-    /// Not eligible: down while another endpoint was up, or saturated while another was not.
+    /// Not eligible: down while another endpoint was up, saturated while another was not, or
+    /// `away_from_head`.
     pub excluded: bool,
+    /// Set aside for a group's second request under `latency`: the group lives elsewhere and
+    /// this endpoint does not hold its shared head (see `keep_moves_among_head_holders`).
+    #[serde(default)]
+    pub away_from_head: bool,
     /// At or above a saturation threshold (queue or KV-cache usage).
     pub saturated: bool,
     /// The `latency` policy's prediction for this endpoint (`None` under other policies).
@@ -151,7 +156,13 @@ impl Decision {
             .enumerate()
             .map(|(i, s)| {
                 let mark = if i == self.endpoint { "*" } else { " " };
-                let state = if s.excluded { " (excluded)" } else { "" };
+                let state = if s.away_from_head {
+                    " (set aside: a second request moves only to its shared head)"
+                } else if s.excluded {
+                    " (excluded)"
+                } else {
+                    ""
+                };
                 let growing = s
                     .prediction
                     .map_or(0.0, |p| p.growing_blocks)
@@ -483,8 +494,18 @@ impl<S: PrefixStore> Router<S> {
         let cold = !(0..n).any(|e| filter.eligible[e] && matches.of(e).iter().any(|&b| b > 0));
         let continued = continued_turn(&matches, &filter.eligible);
         let scores = self.score(hashes, &matches, loads, &filter, cold, continued);
+        // What the policy may choose from: the eligible endpoints, less those the scoring set
+        // aside (a second request's moves, see `keep_moves_among_head_holders`).
+        let set_aside = scores.iter().any(|s| s.away_from_head);
+        let narrowed: Vec<bool>;
+        let choosable = if set_aside {
+            narrowed = scores.iter().map(|s| !s.excluded).collect();
+            &narrowed
+        } else {
+            &filter.eligible
+        };
         self.tie_key = hashes.chains.iter().find_map(|c| c.first().copied());
-        let (endpoint, tie) = self.choose(&scores, &filter.eligible);
+        let (endpoint, tie) = self.choose(&scores, choosable);
         self.tie_key = None;
         let (runner_up, next_best) = match policy {
             Policy::RoundRobin | Policy::Random => {
@@ -495,8 +516,14 @@ impl<S: PrefixStore> Router<S> {
                 (None, rotation)
             }
             _ => {
-                let ranked = ranked_after(&scores, &filter.eligible, endpoint);
-                (ranked.first().copied(), ranked)
+                let mut ranked = ranked_after(&scores, choosable, endpoint);
+                let runner_up = ranked.first().copied();
+                if set_aside {
+                    // A failover may still go anywhere eligible, the set-aside ones last.
+                    let rest = ranked_after(&scores, &filter.eligible, endpoint);
+                    ranked.extend(rest.into_iter().filter(|&i| scores[i].away_from_head));
+                }
+                (runner_up, ranked)
             }
         };
         Ok(Decision {
@@ -569,6 +596,8 @@ impl<S: PrefixStore> Router<S> {
         let block_size = hashes.block_size.max(1);
         let w = self.config.weights;
         let future_blocks = self.growth.future_blocks(continued);
+        let second_request =
+            self.config.policy == Policy::Latency && continued == Some(Turn::First);
         let live_group_blocks = self.growth.live_group_blocks();
         let gap_ms = self.growth.mean_gap_ms();
         let mut scores: Vec<EndpointScores> = (0..loads.len())
@@ -589,6 +618,7 @@ impl<S: PrefixStore> Router<S> {
                         room,
                         Footprint {
                             continues: matches.continues[i].is_some(),
+                            second_request,
                             future_blocks,
                             growing_blocks: self.live.on(i, self.now_ms, gap_ms)
                                 * live_group_blocks,
@@ -617,6 +647,7 @@ impl<S: PrefixStore> Router<S> {
                     no_hit_lru: lru[i],
                     total,
                     excluded: !filter.eligible[i],
+                    away_from_head: false,
                     saturated: filter.saturated[i],
                     prediction,
                     room,
@@ -628,6 +659,9 @@ impl<S: PrefixStore> Router<S> {
             credit_copies(&mut scores, |held| {
                 prefix_end(chain, held).map_or(0.0, |h| self.starts.per_second(h, self.now_ms))
             });
+        }
+        if second_request {
+            keep_moves_among_head_holders(&mut scores);
         }
         scores
     }
@@ -850,7 +884,8 @@ pub const TIE_SHARE: f64 = 0.02;
 pub const TIE_MS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
-/// narrowed to those with the most free believed cache (a new prefix goes where it fits, as
+/// narrowed to where the request's group lives if it lives on one of them, then to those with
+/// the most free believed cache (a new prefix goes where it fits, as
 /// sglang-router's "smallest tree"), then to those with the fewest requests holding their
 /// lanes (the next request will find one free).
 fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) -> Vec<usize> {
@@ -858,6 +893,11 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
     let mut tied: Vec<usize> = (0..scores.len())
         .filter(|&i| eligible[i] && -scores[i].total <= best_cost + tolerance)
         .collect();
+    // A move within the prediction's precision buys nothing and costs the group's history
+    // later: among ties, a request stays where its group lives.
+    if tied.iter().any(|&i| scores[i].continues) {
+        tied.retain(|&i| scores[i].continues);
+    }
     let free = |i: usize| scores[i].room.free_blocks();
     if let Some(most) = tied.iter().map(|&i| free(i)).max() {
         tied.retain(|&i| free(i) == most);
@@ -908,6 +948,33 @@ pub fn ranked_after(scores: &[EndpointScores], eligible: &[bool], chosen: usize)
 
 pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) -> Option<usize> {
     ranked_after(scores, eligible, chosen).first().copied()
+}
+
+/// A group's second request re-places its group (its growth is now priced where it lives
+/// too, see [`crate::latency::Footprint::second_request`]) but only among the endpoints that
+/// hold its shared head: the longest prefix believed held on any eligible endpoint the group
+/// does not live on. Moving there prefills again only the group's own short history; moving
+/// anywhere else would also copy the head, and a copy is a first request's decision (priced
+/// by the copy credit and the room price), not a side effect of a move. Without such a
+/// holder the group stays. The others are marked excluded; with no eligible endpoint where
+/// the group lives (it went down), nothing is.
+fn keep_moves_among_head_holders(scores: &mut [EndpointScores]) {
+    if !scores.iter().any(|s| !s.excluded && s.continues) {
+        return;
+    }
+    let away = |s: &EndpointScores| !s.excluded && !s.continues;
+    let head = scores
+        .iter()
+        .filter(|s| away(s))
+        .map(|s| s.matched_blocks)
+        .max()
+        .unwrap_or(0);
+    for s in scores.iter_mut() {
+        if away(s) && (head == 0 || s.matched_blocks < head) {
+            s.excluded = true;
+            s.away_from_head = true;
+        }
+    }
 }
 
 /// The block a believed match of `held` blocks of `chain` ends with: the key the copy credit
@@ -1403,5 +1470,74 @@ mod tests {
         assert_eq!(ranked_after(&scores, &[true, true, true], 0), [2, 1]);
         assert_eq!(ranked_after(&scores, &[true, true, true], 2), [0, 1]);
         assert_eq!(ranked_after(&scores, &[false, true, true], 2), [1]);
+    }
+
+    /// An endpoint's view for the pure steps below: `matched` blocks, `cost_ms` predicted,
+    /// whether the request's group lives there, whether it is eligible.
+    fn seen(matched: usize, cost_ms: f64, continues: bool, eligible: bool) -> EndpointScores {
+        EndpointScores {
+            matched_blocks: matched,
+            prefix: 0.0,
+            queue: 0.0,
+            kv_cache: 0.0,
+            no_hit_lru: 0.0,
+            total: -cost_ms,
+            excluded: !eligible,
+            away_from_head: false,
+            saturated: false,
+            prediction: Some(Prediction {
+                cost_ms,
+                ..Prediction::default()
+            }),
+            room: CacheRoom::default(),
+            continues,
+        }
+    }
+
+    fn excluded(scores: &[EndpointScores]) -> Vec<bool> {
+        scores.iter().map(|s| s.excluded).collect()
+    }
+
+    #[test]
+    fn a_second_request_moves_its_group_only_to_holders_of_its_shared_head() {
+        // The group lives on 0 (its 20 blocks); 1 and 3 hold the 12-block shared head, but 3
+        // is down; 2 holds part of it.
+        let mut scores = vec![
+            seen(20, 50.0, true, true),
+            seen(12, 40.0, false, true),
+            seen(3, 30.0, false, true),
+            seen(12, 10.0, false, false),
+        ];
+        keep_moves_among_head_holders(&mut scores);
+        assert_eq!(excluded(&scores), [false, false, true, true]);
+        let away: Vec<bool> = scores.iter().map(|s| s.away_from_head).collect();
+        assert_eq!(
+            away,
+            [false, false, true, false],
+            "3 was out already: it is down"
+        );
+        // Nobody else holds any of it: the group stays.
+        let mut alone = vec![seen(20, 50.0, true, true), seen(0, 1.0, false, true)];
+        keep_moves_among_head_holders(&mut alone);
+        assert_eq!(excluded(&alone), [false, true]);
+        // Where it lived is down: it may go anywhere eligible.
+        let mut homeless = vec![seen(20, 50.0, true, false), seen(0, 1.0, false, true)];
+        keep_moves_among_head_holders(&mut homeless);
+        assert_eq!(excluded(&homeless), [true, false]);
+    }
+
+    #[test]
+    fn a_tie_keeps_a_request_where_its_group_lives() {
+        let scores = [
+            seen(20, 100.0, true, true),
+            seen(12, 99.0, false, true),
+            seen(12, 150.0, false, true),
+        ];
+        let eligible = [true; 3];
+        // Within the prediction's precision of the best (99 ms), 0 and 1 tie; 0 is home.
+        assert_eq!(latency_tied(&scores, &eligible, 99.0), [0]);
+        // Without a home among the ties, the most free cache and fewest holders decide.
+        let away = [seen(12, 100.0, false, true), seen(12, 99.0, false, true)];
+        assert_eq!(latency_tied(&away, &[true, true], 99.0), [0, 1]);
     }
 }

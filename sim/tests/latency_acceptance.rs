@@ -154,25 +154,42 @@ fn the_upper_bound_is_one_server_that_never_evicts() {
 /// later conversations elsewhere. Measured when the counts were built: without them one replica
 /// took 279 of the 400 requests (max/mean 4.18) at 96.8% of the upper bound's hit rate; with
 /// them, 167 (2.50) at 98.7%. With the growth learned apart for first and later turns, 104
-/// (1.56) at 99.8%: the five conversations that start before any has continued still share
-/// the first replica.
+/// (1.56) at 99.8%: the five conversations that start before any has continued still shared
+/// the first replica. Since a group's second request places it again, priced as the growing
+/// group it now is known to be (moving only among the holders of its shared head), 79 (1.18)
+/// at 99.6%, at every prefill cost: issue 10's max/mean ≤ 1.3.
 #[test]
-fn conversations_that_start_together_are_started_where_their_growth_will_fit() {
+fn conversations_that_start_together_are_spread_by_their_second_requests() {
     let trace = spec(TraceShape::Conversations, 24, 150, 30, 400, 13)
         .generate()
         .unwrap();
-    let config = sweep_fleet(0.1);
-    let bound = upper_bound(&trace, config).unwrap();
-    let latency = run(&trace, config, Policy::Latency);
-    assert_hit_share(&latency, &bound, 0.99);
-    let max = *latency.requests_per_replica.iter().max().unwrap();
-    assert!(
-        max * 6 * 10 <= 16 * latency.requests,
-        "one replica took {max} of {} requests: {:?}",
-        latency.requests,
-        latency.requests_per_replica
-    );
-    assert_eq!(homes(&latency).len(), 6, "{:?}", latency.group_replicas);
+    for cost in [0.1, 0.5, 1.0] {
+        let config = sweep_fleet(cost);
+        let bound = upper_bound(&trace, config).unwrap();
+        let latency = run(&trace, config, Policy::Latency);
+        assert_hit_share(&latency, &bound, 0.99);
+        let spread = max_over_mean(&latency);
+        assert!(
+            spread <= 1.3,
+            "{cost} ms/token: max/mean {spread:.2}: {:?}",
+            latency.requests_per_replica
+        );
+        assert_eq!(homes(&latency).len(), 6, "{:?}", latency.group_replicas);
+        moves_only_after_one_request(&latency);
+    }
+}
+
+/// Every group lives on one replica, or moved once, after its first request: on two replicas,
+/// one of which served it exactly once.
+fn moves_only_after_one_request(report: &SimReport) {
+    for (group, counts) in &report.group_replicas {
+        let mut served: Vec<usize> = counts.iter().copied().filter(|&c| c > 0).collect();
+        served.sort_unstable();
+        assert!(
+            served.len() == 1 || (served.len() == 2 && served[0] == 1),
+            "{group} moved more than once: {counts:?}"
+        );
+    }
 }
 
 /// Replicas that are the home (most requests) of some group.
@@ -237,6 +254,9 @@ fn at_the_upper_bound(trace: &[TraceRecord], config: SimConfig, hit: f64, p95: f
 /// system prompt until it thrashed. Measured before the growth was learned apart for first
 /// and later turns: 89.7% of the bound's hit rate and TTFT p95 102.8 ms against its 18.1 at
 /// 0.1 ms/token (97.6%, 271.0 against 70.5 ms at 0.5); after: 99.9% and 18.1 ms (99.6%, 71.5).
+/// Since a group's second request places it again: 99.8% and 21.0 ms (99.8%, 86.0), the
+/// conversations that moved paying their first turn's prefill again once; max/mean 1.42 and
+/// 1.60 → 1.24 at both costs.
 #[test]
 fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
     let mut trace = spec(TraceShape::Tenants, 24, 600, 40, 400, 11)
@@ -252,12 +272,10 @@ fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
         let mut config = fleet(900);
         config.replicas = 8;
         config.timing.prefill_ms_per_token = cost;
-        let latency = at_the_upper_bound(&trace, config, 0.99, 1.1);
-        assert!(
-            latency.groups_on_one * 20 >= latency.groups * 19,
-            "{cost} ms/token: {:?}",
-            latency.group_replicas
-        );
+        let latency = at_the_upper_bound(&trace, config, 0.99, 1.25);
+        moves_only_after_one_request(&latency);
+        let spread = max_over_mean(&latency);
+        assert!(spread <= 1.3, "max/mean {spread:.2} at {cost} ms/token");
     }
 }
 
@@ -266,7 +284,11 @@ fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
 /// so without their growth priced they all started next to it, and at 1 ms/token that
 /// replica's queue set the tail. Measured before the growth was learned apart for first and
 /// later turns: one replica took 263 of 600 requests, 97.2% of the bound's hit rate, TTFT p95
-/// 235.1 ms against its 171.0; after: 99.7% and 172.0 ms.
+/// 235.1 ms against its 171.0; after: 99.7% and 172.0 ms, but 40 conversations on six of the
+/// eight replicas (max/mean 1.87, two replicas idle). Since a group's second request places it
+/// again: 99.4% and 205.0 ms, every replica a home, max/mean 1.35; 25 conversations moved
+/// once, their second turn prefilling the first one again (~200 tokens, ~0.2 s at 1 ms/token:
+/// those set the tail now, not a queue).
 #[test]
 fn conversations_with_a_long_shared_prompt_do_not_queue_behind_it() {
     // `prefixroute trace --shape conversations --tenants 40 --prompt-words 600
@@ -280,8 +302,11 @@ fn conversations_with_a_long_shared_prompt_do_not_queue_behind_it() {
     let mut config = fleet(1500);
     config.replicas = 8;
     config.timing.prefill_ms_per_token = 1.0;
-    let latency = at_the_upper_bound(&trace, config, 0.99, 1.05);
-    assert_eq!(latency.groups_on_one, latency.groups);
+    let latency = at_the_upper_bound(&trace, config, 0.99, 1.25);
+    moves_only_after_one_request(&latency);
+    assert_eq!(homes(&latency).len(), 8, "{:?}", latency.group_replicas);
+    let spread = max_over_mean(&latency);
+    assert!(spread <= 1.4, "max/mean {spread:.2}");
 }
 
 /// Busiest replica's requests over the mean.

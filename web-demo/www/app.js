@@ -533,7 +533,9 @@ function explain(view) {
   const why = [];
   const limits = `queue ≥ ${sat.queue_threshold} or KV-cache use ≥ ${Math.round(sat.kv_threshold * 100)}%`;
   sc.forEach((x, i) => {
-    if (x.excluded) {
+    if (x.away_from_head) {
+      why.push(`${names[i]} was set aside: this is its group's second request, placed again now that the group is known to grow, and a group moves only to a replica that holds its shared head (anywhere else it would copy it).`);
+    } else if (x.excluded) {
       why.push(x.saturated
         ? `${names[i]} was set aside: saturated (${limits}) while another replica had room.`
         : `${names[i]} was set aside: down.`);
@@ -553,7 +555,7 @@ function explain(view) {
       if (p.delay_to_others_ms > 0) why.push(`Its queue also makes this prefill delay later requests by about ${ms(p.delay_to_others_ms)}.`);
       if (p.copy_credit_ms > 0) why.push(`A copy of the prefix here saves the requests queueing for it where it is held about ${ms(p.copy_credit_ms)}, taken off the cost.`);
       if (p.room_ms > 0) {
-        why.push(`The ${num(p.room_blocks, 1)} blocks it brings (${sc[win].continues ? 'its own new blocks: it continues an earlier request there' : 'new blocks and the growth expected of a group that starts here'}) take room in a cache that is ${pct(sc[win].room.believed_blocks / Math.max(1, sc[win].room.capacity_blocks))} full: ${ms(p.room_ms)} of later prefill.`);
+        why.push(`The ${num(p.room_blocks, 1)} blocks it brings (${sc[win].continues ? (d.continued === 'First' ? "its new blocks and, this being its group's second request, the growth now expected of the group" : 'its own new blocks: it continues an earlier request there') : 'new blocks and the growth expected of a group that starts here'}) take room in a cache that is ${pct(sc[win].room.believed_blocks / Math.max(1, sc[win].room.capacity_blocks))} full: ${ms(p.room_ms)} of later prefill.`);
       }
       break;
     }
