@@ -1412,9 +1412,10 @@ impl LiveGroups {
 pub struct Footprint {
     /// The request continues an earlier one on this endpoint (its group already lives there).
     pub continues: bool,
-    /// The request is its group's second (it continues a first request): the first moment the
-    /// router knows the group grows, so the group is placed again as what it is, its future
-    /// blocks priced where it lives too (see `future_blocks`).
+    /// The request is its group's second (it continues a first request) and another endpoint
+    /// holds its shared head: the first moment the router knows the group grows, so the group
+    /// is placed again as what it is, its future blocks priced where it lives too (see
+    /// `future_blocks` and the router's `keep_moves_among_head_holders`).
     pub second_request: bool,
     /// Blocks the group is expected to add later ([`GroupGrowth::future_blocks`]); counted
     /// where the request would start (or move) its group, not where it continues it, except

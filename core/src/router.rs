@@ -596,8 +596,12 @@ impl<S: PrefixStore> Router<S> {
         let block_size = hashes.block_size.max(1);
         let w = self.config.weights;
         let future_blocks = self.growth.future_blocks(continued);
+        // A group's second request is placed again only where another endpoint holds its
+        // shared head (see `keep_moves_among_head_holders`); otherwise it is a continuation
+        // like any other.
+        let head = shared_head(matches, &filter.eligible);
         let second_request =
-            self.config.policy == Policy::Latency && continued == Some(Turn::First);
+            self.config.policy == Policy::Latency && continued == Some(Turn::First) && head > 0;
         let live_group_blocks = self.growth.live_group_blocks();
         let gap_ms = self.growth.mean_gap_ms();
         let mut scores: Vec<EndpointScores> = (0..loads.len())
@@ -661,7 +665,7 @@ impl<S: PrefixStore> Router<S> {
             });
         }
         if second_request {
-            keep_moves_among_head_holders(&mut scores);
+            keep_moves_among_head_holders(&mut scores, head);
         }
         scores
     }
@@ -950,27 +954,29 @@ pub fn runner_up(scores: &[EndpointScores], eligible: &[bool], chosen: usize) ->
     ranked_after(scores, eligible, chosen).first().copied()
 }
 
-/// A group's second request re-places its group (its growth is now priced where it lives
-/// too, see [`crate::latency::Footprint::second_request`]) but only among the endpoints that
-/// hold its shared head: the longest prefix believed held on any eligible endpoint the group
-/// does not live on. Moving there prefills again only the group's own short history; moving
-/// anywhere else would also copy the head, and a copy is a first request's decision (priced
-/// by the copy credit and the room price), not a side effect of a move. Without such a
-/// holder the group stays. The others are marked excluded; with no eligible endpoint where
-/// the group lives (it went down), nothing is.
-fn keep_moves_among_head_holders(scores: &mut [EndpointScores]) {
+/// The longest prefix of a request believed held on an eligible endpoint its group does not
+/// live on, in blocks: its shared head (0 if none).
+fn shared_head(matches: &Matches, eligible: &[bool]) -> usize {
+    (0..eligible.len())
+        .filter(|&e| eligible[e] && matches.continues.get(e).is_some_and(Option::is_none))
+        .map(|e| matches.of(e).iter().sum())
+        .max()
+        .unwrap_or(0)
+}
+
+/// A group's second request places its group again (its growth is now priced where it lives
+/// too, see [`crate::latency::Footprint::second_request`]) when another endpoint holds its
+/// shared `head` ([`shared_head`]), and then only among the endpoints that hold it: moving
+/// there prefills again only the group's own short history; moving anywhere else would also
+/// copy the head, and a copy is a first request's decision (priced by the copy credit and the
+/// room price), not a side effect of a move. The others are set aside (`away_from_head`).
+/// With no eligible endpoint where the group lives (it went down), nothing is.
+fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
     if !scores.iter().any(|s| !s.excluded && s.continues) {
         return;
     }
-    let away = |s: &EndpointScores| !s.excluded && !s.continues;
-    let head = scores
-        .iter()
-        .filter(|s| away(s))
-        .map(|s| s.matched_blocks)
-        .max()
-        .unwrap_or(0);
     for s in scores.iter_mut() {
-        if away(s) && (head == 0 || s.matched_blocks < head) {
+        if !s.excluded && !s.continues && s.matched_blocks < head {
             s.excluded = true;
             s.away_from_head = true;
         }
@@ -1508,7 +1514,7 @@ mod tests {
             seen(3, 30.0, false, true),
             seen(12, 10.0, false, false),
         ];
-        keep_moves_among_head_holders(&mut scores);
+        keep_moves_among_head_holders(&mut scores, 12);
         assert_eq!(excluded(&scores), [false, false, true, true]);
         let away: Vec<bool> = scores.iter().map(|s| s.away_from_head).collect();
         assert_eq!(
@@ -1516,14 +1522,38 @@ mod tests {
             [false, false, true, false],
             "3 was out already: it is down"
         );
-        // Nobody else holds any of it: the group stays.
-        let mut alone = vec![seen(20, 50.0, true, true), seen(0, 1.0, false, true)];
-        keep_moves_among_head_holders(&mut alone);
-        assert_eq!(excluded(&alone), [false, true]);
         // Where it lived is down: it may go anywhere eligible.
         let mut homeless = vec![seen(20, 50.0, true, false), seen(0, 1.0, false, true)];
-        keep_moves_among_head_holders(&mut homeless);
+        keep_moves_among_head_holders(&mut homeless, 12);
         assert_eq!(excluded(&homeless), [true, false]);
+    }
+
+    #[test]
+    fn a_second_request_is_placed_again_only_where_another_endpoint_holds_its_head() {
+        let mut r = router(Policy::Latency, 3);
+        let head: String = (0..40).map(|i| format!("s{i} ")).collect();
+        let first = hashes(&format!("{head}q1 a b c d e f g h i j k l m n o p"));
+        let loads = idle(3);
+        // The group's first request: only endpoint 0 holds nothing yet, so it goes somewhere.
+        let d1 = r.pick(&first, &loads).unwrap();
+        r.commit(&d1, &first);
+        let second = hashes(&format!(
+            "{head}q1 a b c d e f g h i j k l m n o p answer q2 r s t u v w x y z"
+        ));
+        // Nobody else holds any of it: a continuation like any other, nothing set aside.
+        let d2 = r.pick(&second, &loads).unwrap();
+        assert_eq!(d2.continued, Some(Turn::First));
+        assert!(d2.scores.iter().all(|s| !s.away_from_head), "{d2:?}");
+        // Another group's first request copies the head to another endpoint: now the second
+        // request may move there, and only there.
+        let other = (d1.endpoint + 1) % 3;
+        let copy = hashes(&format!("{head}other question"));
+        let mut d3 = r.pick(&copy, &loads).unwrap();
+        d3.endpoint = other;
+        r.commit(&d3, &copy);
+        let d4 = r.pick(&second, &loads).unwrap();
+        let away: Vec<usize> = (0..3).filter(|&i| d4.scores[i].away_from_head).collect();
+        assert_eq!(away, [3 - d1.endpoint - other], "{:?}", d4.scores);
     }
 
     #[test]
