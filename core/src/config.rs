@@ -59,7 +59,7 @@ pub(crate) trait Shown {
 }
 
 /// Whole numbers as integers (`got 0`, not `got 0.0`), others through `zmij`, the formatter
-/// serde_json's own messages use. Not `core::fmt`'s: its float code (~10 KB of the plugin's
+/// serde_json's own messages use. Not `core::fmt`'s: its float code (~14 KB of the plugin's
 /// `.wasm`, docs/benchmarks.md) was there for these messages alone.
 impl Shown for f64 {
     fn shown(self) -> String {

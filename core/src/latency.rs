@@ -1423,8 +1423,8 @@ pub struct Footprint {
     /// which nobody follows, and before any continuation was seen as growing nothing), so
     /// groups that start together before the router has seen one continue all start next to
     /// their shared prefix; at their second request staying costs what their growth will
-    /// displace there, and they spread (docs/benchmarks.md). Later requests stay: by then a
-    /// move costs their history.
+    /// displace there, and they spread (docs/benchmarks.md). Later requests price it only where
+    /// they would move again: by then a move costs their history.
     pub future_blocks: f64,
     /// Blocks the groups already living on the endpoint are expected to add
     /// ([`LiveGroups::on`] × [`GroupGrowth::live_group_blocks`]): room that is taken soon
