@@ -547,7 +547,12 @@ impl<H: SharedData> Scheduler<H> {
         self.pending
             .retain(|(_, p)| now_ms.saturating_sub(p.sent_ms) <= expiry);
         let pooled = self.ledger.totals(self.router.store().host(), now_ms);
-        let rates = pooled.learned.estimate(&self.config.latency).ms_per_token;
+        let estimate = pooled.learned.estimate(&self.config.latency);
+        self.events.push(Event::Learned {
+            lanes: estimate.lanes,
+            hold_us: (estimate.hold_ms * 1e3).round() as u64,
+        });
+        let rates = estimate.ms_per_token;
         // A copy: the loop below reads and claims through `self` (once per tick, not per
         // request).
         let works = pooled.work.clone();

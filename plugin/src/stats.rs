@@ -92,6 +92,13 @@ pub enum Event {
     },
     /// An endpoint left the pool: its gauges go to zero (and `down` to 1) under its name.
     EndpointLeft(String),
+    /// What the fleet's first bytes taught the latency model, set on every tick: the lane
+    /// count that explains them best (how many sequences a replica is believed to prefill at
+    /// once) and the mean time a request holds its lane after its first byte (decoding).
+    Learned {
+        lanes: u32,
+        hold_us: u64,
+    },
     /// Current view of an endpoint, set on every tick.
     Gauges {
         endpoint: usize,
@@ -280,6 +287,10 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             ("prefixroute.latency.observations", *used),
             ("prefixroute.latency.observations_refused", *refused),
         ]),
+        Event::Learned { lanes, hold_us } => vec![
+            gauge("prefixroute.latency.lanes".into(), u64::from(*lanes)),
+            gauge("prefixroute.latency.hold_us".into(), *hold_us),
+        ],
         Event::Gauges {
             endpoint,
             in_flight,
@@ -367,6 +378,20 @@ mod tests {
                 ),
                 gauge("prefixroute.endpoint.b.down".into(), 1),
                 gauge("prefixroute.endpoint.b.precise".into(), 1),
+            ]
+        );
+        let u = updates(
+            &Event::Learned {
+                lanes: 2,
+                hold_us: 1500,
+            },
+            &names,
+        );
+        assert_eq!(
+            u,
+            vec![
+                gauge("prefixroute.latency.lanes".into(), 2),
+                gauge("prefixroute.latency.hold_us".into(), 1500),
             ]
         );
         let u = updates(&Event::HashMemo { hits: 2, misses: 0 }, &names);
