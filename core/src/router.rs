@@ -599,9 +599,12 @@ impl<S: PrefixStore> Router<S> {
         // A group's second request is placed again only where another endpoint holds its
         // shared head (see `keep_moves_among_head_holders`); otherwise it is a continuation
         // like any other.
-        let head = shared_head(matches, &filter.eligible);
-        let second_request =
-            self.config.policy == Policy::Latency && continued == Some(Turn::First) && head > 0;
+        let head = if self.config.policy == Policy::Latency && continued == Some(Turn::First) {
+            shared_head(matches, &filter.eligible)
+        } else {
+            0
+        };
+        let second_request = head > 0;
         let live_group_blocks = self.growth.live_group_blocks();
         let gap_ms = self.growth.mean_gap_ms();
         let mut scores: Vec<EndpointScores> = (0..loads.len())
