@@ -892,9 +892,16 @@ pub const TIE_MS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
 /// narrowed to where the request's group lives if it lives on one of them, then to those with
-/// the most free believed cache (a new prefix goes where it fits, as
-/// sglang-router's "smallest tree"), then to those with the fewest requests holding their
-/// lanes (the next request will find one free).
+/// the fewest requests holding their lanes, then to those with the most free believed cache (a
+/// new prefix goes where it fits, as sglang-router's "smallest tree").
+///
+/// Why holders before room: a prediction sees a queue only where every believed lane is
+/// taken, and the lane count is learned from queues the router has seen; until it has seen
+/// some, it believes many lanes, every endpoint predicts no wait, and the most free cache
+/// alone would send request after request to one endpoint until its real lanes run out. The
+/// fewest holders is where a request surely finds a lane, whatever the lane count
+/// (measured in docs/benchmarks.md: nothing-shared traffic at 1 ms/token, TTFT p95 1.12x the
+/// bound's over 16 seeds, worst 1.73x, then 1.00x on every seed).
 fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) -> Vec<usize> {
     let tolerance = (best_cost.abs() * TIE_SHARE).max(TIE_MS);
     let mut tied: Vec<usize> = (0..scores.len())
@@ -905,21 +912,19 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
     if tied.iter().any(|&i| scores[i].continues) {
         tied.retain(|&i| scores[i].continues);
     }
-    let free = |i: usize| scores[i].room.free_blocks();
-    if let Some(most) = tied.iter().map(|&i| free(i)).max() {
-        tied.retain(|&i| free(i) == most);
-    }
     let holders = |i: usize| scores[i].prediction.map_or(0.0, |p| p.backlog.holders);
     let fewest = tied
         .iter()
         .map(|&i| holders(i))
         .fold(f64::INFINITY, f64::min);
     tied.retain(|&i| holders(i) == fewest);
+    let free = |i: usize| scores[i].room.free_blocks();
+    if let Some(most) = tied.iter().map(|&i| free(i)).max() {
+        tied.retain(|&i| free(i) == most);
+    }
     tied
 }
 
-/// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
-/// proxy-wasm plugin) make exactly the same draws as native builds.
 /// Among tied endpoints, the one where `key` (a request's first block hash) hashes highest:
 /// rendezvous hashing. Every router with the same view of the fleet (Envoy's workers, several
 /// gateways) sends the same new prefix to the same endpoint without talking, and one prefix's
@@ -937,6 +942,8 @@ pub fn rendezvous(tied: &[usize], key: u64) -> usize {
         .unwrap_or(0)
 }
 
+/// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
+/// proxy-wasm plugin) make exactly the same draws as native builds.
 pub fn draw_index(rng: &mut impl Rng, n: usize) -> usize {
     rng.gen_range(0..n as u64) as usize
 }
@@ -1569,8 +1576,30 @@ mod tests {
         let eligible = [true; 3];
         // Within the prediction's precision of the best (99 ms), 0 and 1 tie; 0 is home.
         assert_eq!(latency_tied(&scores, &eligible, 99.0), [0]);
-        // Without a home among the ties, the most free cache and fewest holders decide.
+        // Without a home among the ties, the fewest holders and the most free cache decide.
         let away = [seen(12, 100.0, false, true), seen(12, 99.0, false, true)];
         assert_eq!(latency_tied(&away, &[true, true], 99.0), [0, 1]);
+    }
+
+    #[test]
+    fn a_tie_goes_where_fewest_requests_hold_lanes_before_where_most_cache_is_free() {
+        let with = |holders: f64, free: usize| {
+            let mut s = seen(0, 100.0, false, true);
+            if let Some(p) = s.prediction.as_mut() {
+                p.backlog.holders = holders;
+            }
+            s.room = CacheRoom {
+                capacity_blocks: 900,
+                believed_blocks: 900 - free,
+            };
+            s
+        };
+        // Every endpoint predicts no wait (many lanes believed): 0 has the most room but
+        // three requests in flight, 1 and 2 one each; of those, 2 has more room.
+        let scores = [with(3.0, 800), with(1.0, 300), with(1.0, 500)];
+        assert_eq!(latency_tied(&scores, &[true; 3], 100.0), [2]);
+        // Equal holders: the room decides.
+        let scores = [with(1.0, 800), with(1.0, 300)];
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [0]);
     }
 }
