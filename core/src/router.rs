@@ -892,8 +892,9 @@ pub const TIE_MS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
 /// narrowed to where the request's group lives if it lives on one of them, then to those with
-/// the fewest requests holding their lanes, then to those with the most free believed cache (a
-/// new prefix goes where it fits, as sglang-router's "smallest tree").
+/// the fewest requests holding their lanes, then to those with the most free believed cache
+/// once the groups living there grow (a new prefix goes where it fits, as sglang-router's
+/// "smallest tree"; the growth counted as taken, as the room price counts it).
 ///
 /// Why holders before room: a prediction sees a queue only where every believed lane is
 /// taken, and the lane count is learned from queues the router has seen; until it has seen
@@ -918,10 +919,15 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
         .map(|&i| holders(i))
         .fold(f64::INFINITY, f64::min);
     tied.retain(|&i| holders(i) == fewest);
-    let free = |i: usize| scores[i].room.free_blocks();
-    if let Some(most) = tied.iter().map(|&i| free(i)).max() {
-        tied.retain(|&i| free(i) == most);
-    }
+    let free = |i: usize| {
+        let growing = scores[i].prediction.map_or(0.0, |p| p.growing_blocks);
+        scores[i].room.free_blocks() as f64 - growing
+    };
+    let most = tied
+        .iter()
+        .map(|&i| free(i))
+        .fold(f64::NEG_INFINITY, f64::max);
+    tied.retain(|&i| free(i) >= most);
     tied
 }
 
@@ -1601,5 +1607,13 @@ mod tests {
         // Equal holders: the room decides.
         let scores = [with(1.0, 800), with(1.0, 300)];
         assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [0]);
+        // ... the room left once the groups living there grow: 0's conversations are
+        // expected to add 600 blocks, so 1 has more room to come.
+        let mut growing = with(1.0, 800);
+        if let Some(p) = growing.prediction.as_mut() {
+            p.growing_blocks = 600.0;
+        }
+        let scores = [growing, with(1.0, 300)];
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [1]);
     }
 }

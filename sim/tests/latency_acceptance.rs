@@ -324,10 +324,10 @@ fn max_over_mean(report: &SimReport) -> f64 {
 /// bound's hit rate at 0.1, 0.5 and 1 ms/token, TTFT p95 equal to the bound's; `prefix` 99.8%;
 /// busiest replica 2.75, 2.23 and 2.07 times the mean while live groups were counted by
 /// requests (a group's count settled only when it was seen again), 1.27, 1.13 and 1.07 once
-/// they decay with the learned gap between a group's requests. Since ties go to the fewest
-/// holders before the most free cache: 1.10 at 0.1 and 1.43 at 1 ms/token on this seed, where
-/// four tenants' questions and a third of the conversations share a replica; over seeds 16-23
-/// of this trace at 1 ms/token 1.05-1.43, mean 1.20 (before: 1.11-1.47, mean 1.29).
+/// they decay with the learned gap between a group's requests. Since near-ties go to the
+/// fewest holders, then to the most room left once the living groups grow: 1.09 at 0.1 and
+/// 1.12 at 1 ms/token; over seeds 16-23 of this trace at 1 ms/token 1.04-1.34, mean 1.18
+/// (1.05-1.43 with the fewest holders and the room without the growth, 1.11-1.47 before both).
 #[test]
 fn a_long_lived_gateway_whose_conversations_end_stays_at_the_upper_bound() {
     // `prefixroute trace --shape mixed --tenants 16 --prompt-words 400 --question-words 30
@@ -342,7 +342,7 @@ fn a_long_lived_gateway_whose_conversations_end_stays_at_the_upper_bound() {
     for cost in [0.1, 1.0] {
         let latency = at_the_upper_bound(&trace, sweep_fleet(cost), 0.99, 1.05);
         let spread = max_over_mean(&latency);
-        assert!(spread <= 1.45, "max/mean {spread:.2} at {cost} ms/token");
+        assert!(spread <= 1.4, "max/mean {spread:.2} at {cost} ms/token");
     }
 }
 

@@ -612,7 +612,7 @@ function explain(view) {
   }
   if (d.tie) {
     why.push(d.policy === 'latency'
-      ? 'Several replicas were predicted within 2% of the best: core kept the request where its group lives if that was one of them, then took the one with the fewest requests in flight, then the most free room in its cache, then the one its first block hashes highest with (every router agrees on it without talking).'
+      ? 'Several replicas were predicted within 2% of the best: core kept the request where its group lives if that was one of them, then took the one with the fewest requests in flight, then the most free room in its cache once the conversations living there grow, then the one its first block hashes highest with (every router agrees on it without talking).'
       : `Exact tie at ${num(sc[win].total)}: core broke it with its seeded random draw.`);
   }
   if (d.all_down) why.push('Every replica was down, so health was ignored.');
