@@ -913,7 +913,9 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
     if tied.iter().any(|&i| scores[i].continues) {
         tied.retain(|&i| scores[i].continues);
     }
-    let holders = |i: usize| scores[i].prediction.map_or(0.0, |p| p.backlog.holders);
+    // Counts that are not numbers read as zero: a comparison with NaN would empty the ties.
+    let number = |x: f64| if x.is_finite() { x } else { 0.0 };
+    let holders = |i: usize| number(scores[i].prediction.map_or(0.0, |p| p.backlog.holders));
     let fewest = tied
         .iter()
         .map(|&i| holders(i))
@@ -921,7 +923,7 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
     tied.retain(|&i| holders(i) == fewest);
     let free = |i: usize| {
         let growing = scores[i].prediction.map_or(0.0, |p| p.growing_blocks);
-        scores[i].room.free_blocks() as f64 - growing
+        scores[i].room.free_blocks() as f64 - number(growing)
     };
     let most = tied
         .iter()
@@ -1615,5 +1617,12 @@ mod tests {
         }
         let scores = [growing, with(1.0, 300)];
         assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [1]);
+        // Numbers that are not numbers never empty the ties.
+        let mut broken = with(f64::NAN, 800);
+        if let Some(p) = broken.prediction.as_mut() {
+            p.growing_blocks = f64::NAN;
+        }
+        let scores = [broken, with(0.0, 300)];
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [0]);
     }
 }
