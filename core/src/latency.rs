@@ -970,6 +970,14 @@ impl CacheRoom {
         self.capacity_blocks.saturating_sub(self.believed_blocks)
     }
 
+    /// Free blocks once `growing` more arrive (the groups living there grow), as
+    /// [`Self::pressure_with`] counts them: negative when they are promised more than is free.
+    /// A growth that is not a number counts as none.
+    pub fn free_after(&self, growing: f64) -> f64 {
+        let growing = if growing.is_finite() { growing } else { 0.0 };
+        self.free_blocks() as f64 - growing
+    }
+
     /// What one more block costs here, in blocks some request will prefill again: the share
     /// `p` of the cache in use once `growing` more blocks arrive, as long as it fits (the
     /// chance the block displaces one that is needed); past full, `2 − 1/p`: every block

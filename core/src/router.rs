@@ -913,24 +913,22 @@ fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) ->
     if tied.iter().any(|&i| scores[i].continues) {
         tied.retain(|&i| scores[i].continues);
     }
-    // Counts that are not numbers read as zero: a comparison with NaN would empty the ties.
-    let number = |x: f64| if x.is_finite() { x } else { 0.0 };
-    let holders = |i: usize| number(scores[i].prediction.map_or(0.0, |p| p.backlog.holders));
-    let fewest = tied
-        .iter()
-        .map(|&i| holders(i))
-        .fold(f64::INFINITY, f64::min);
-    tied.retain(|&i| holders(i) == fewest);
-    let free = |i: usize| {
+    keep_least(&mut tied, |i| {
+        scores[i].prediction.map_or(0.0, |p| p.backlog.holders)
+    });
+    keep_least(&mut tied, |i| {
         let growing = scores[i].prediction.map_or(0.0, |p| p.growing_blocks);
-        scores[i].room.free_blocks() as f64 - number(growing)
-    };
-    let most = tied
-        .iter()
-        .map(|&i| free(i))
-        .fold(f64::NEG_INFINITY, f64::max);
-    tied.retain(|&i| free(i) >= most);
+        -scores[i].room.free_after(growing)
+    });
     tied
+}
+
+/// Narrows `tied` to those with the least `key`. A key that is not a number reads as zero: a
+/// comparison with NaN would empty the ties.
+fn keep_least(tied: &mut Vec<usize>, key: impl Fn(usize) -> f64) {
+    let key = |i: usize| Some(key(i)).filter(|k| k.is_finite()).unwrap_or(0.0);
+    let least = tied.iter().map(|&i| key(i)).fold(f64::INFINITY, f64::min);
+    tied.retain(|&i| key(i) <= least);
 }
 
 /// Among tied endpoints, the one where `key` (a request's first block hash) hashes highest:
