@@ -35,11 +35,11 @@ pub enum SimError {
         group: String,
         source: RequestError,
     },
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] prefixroute_core::config::ConfigError),
     #[error("replicas must be at least 1")]
     NoReplicas,
-    #[error("{0}")]
+    #[error(transparent)]
     Disagg(#[from] crate::disagg::DisaggError),
 }
 
