@@ -17,6 +17,7 @@ use std::collections::BinaryHeap;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::fleet::{FleetChange, FleetError, FleetEvent};
 use crate::pd::{decode_stalls, PdConfig, PdStats, PrefillPool, RemotePrefill, Span};
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
@@ -41,6 +42,8 @@ pub enum SimError {
     NoReplicas,
     #[error(transparent)]
     Disagg(#[from] crate::disagg::DisaggError),
+    #[error(transparent)]
+    Fleet(#[from] FleetError),
 }
 
 /// The simulated fleet and the router in front of it.
@@ -236,6 +239,13 @@ pub struct Simulation {
     prefill_pool: Option<PrefillPool>,
     /// The belief follows the replicas' KV events (`index: precise`).
     precise: bool,
+    /// Changes to the fleet still to come, latest first (see [`crate::fleet`]).
+    fleet: Vec<FleetEvent>,
+    /// Replicas the router may send requests to (not `down`).
+    routable: Vec<bool>,
+    /// A replica restarted in place: the scrape at which the router sees it and forgets its
+    /// belief there.
+    restart_seen_at: Vec<Option<f64>>,
 }
 
 impl Simulation {
@@ -293,7 +303,52 @@ impl Simulation {
                 })
                 .collect(),
             steps: Vec::new(),
+            fleet: Vec::new(),
+            routable: vec![true; n],
+            restart_seen_at: vec![None; n],
         })
+    }
+
+    /// Replicas go down, come up and restart during the run as `events` say (see
+    /// [`crate::fleet`]); an event naming a replica the fleet lacks is an error.
+    pub fn with_fleet_events(mut self, events: &[FleetEvent]) -> Result<Self, SimError> {
+        let mut events = crate::fleet::schedule(events, self.replicas.len())?;
+        events.reverse();
+        self.fleet = events;
+        Ok(self)
+    }
+
+    /// Applies the fleet changes due by `now_ms`, and forgets the belief on each restarted
+    /// replica once a scrape has seen its counters go back.
+    fn change_fleet(&mut self, now_ms: f64) {
+        while let Some(&event) = self.fleet.last().filter(|e| e.at_s * 1000.0 <= now_ms) {
+            self.fleet.pop();
+            let r = event.replica;
+            // Whatever the change, the pod's cache is gone.
+            self.replicas[r].cache.clear();
+            match event.change {
+                FleetChange::Down => self.routable[r] = false,
+                FleetChange::Up => {
+                    // A new pod is a new address: nothing is believed of it.
+                    self.routable[r] = true;
+                    self.restart_seen_at[r] = None;
+                    self.router.forget_endpoint(r);
+                }
+                FleetChange::Restart if self.precise => self.router.forget_endpoint(r),
+                FleetChange::Restart => {
+                    // The first scrape after the restart (scrapes run every interval from 0).
+                    let at_ms = event.at_s * 1000.0;
+                    let scrape = ((at_ms / SCRAPE_INTERVAL_MS).floor() + 1.0) * SCRAPE_INTERVAL_MS;
+                    self.restart_seen_at[r] = Some(scrape);
+                }
+            }
+        }
+        for r in 0..self.replicas.len() {
+            if self.restart_seen_at[r].is_some_and(|at| at <= now_ms) {
+                self.restart_seen_at[r] = None;
+                self.router.forget_endpoint(r);
+            }
+        }
     }
 
     pub fn replicas(&self) -> &[ReplicaSim] {
@@ -401,6 +456,7 @@ impl Simulation {
                 let r = &self.replicas[e];
                 let (waiting, running) = (r.waiting(now_ms) as f64, r.running(now_ms) as f64);
                 let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
+                load.down = !self.routable[e];
                 load.latency.work = self.ledger.work[e];
                 load.latency.server = Some(ServerQueue { waiting, running });
                 load.latency.ms_per_token = Some(learned.ms_per_token[e]);
@@ -420,6 +476,7 @@ impl Simulation {
         let index = self.steps.len();
         let now_ms = self.requests.get(index)?.t * 1000.0;
         self.catch_up(now_ms);
+        self.change_fleet(now_ms);
         self.calibrate(now_ms);
         let loads = self.loads(now_ms);
         let request = &self.requests[index];

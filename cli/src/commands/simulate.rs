@@ -4,6 +4,7 @@ use anyhow::{bail, Context, Result};
 use prefixroute_core::config::{IndexMode, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
 use prefixroute_sim::disagg::{self, fmt_bytes};
+use prefixroute_sim::fleet::FleetEvent;
 use prefixroute_sim::pd::PdConfig;
 use prefixroute_sim::replica::ReplicaTiming;
 use prefixroute_sim::simulation::{replica_names, upper_bound, SimConfig, SimReport, Simulation};
@@ -61,6 +62,13 @@ pub struct Args {
     /// events, applied as they happen).
     #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
+    /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
+    /// away 20 s into the trace; what it holds finishes), `up:replica-2@40` (a pod with an
+    /// empty cache takes the slot), `restart:replica-1@30` (restarts in place: the router sees
+    /// it at its next scrape). A replica that joins later: `down:N@0` and `up:N@T`.
+    #[arg(long = "fleet-event", value_name = "KIND:REPLICA@SECONDS",
+          value_parser = str::parse::<FleetEvent>)]
+    fleet_events: Vec<FleetEvent>,
     #[command(flatten)]
     split: SplitArgs,
 }
@@ -176,6 +184,9 @@ pub fn run(args: Args) -> Result<()> {
     base.router.seed = args.seed;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
     if let Some((pd, _, model)) = &split {
+        if !args.fleet_events.is_empty() {
+            bail!("--fleet-event is not supported with --prefill-replicas");
+        }
         return run_split(&args, &trace, &policies, base, *pd, model);
     }
     let mut reports = Vec::new();
@@ -183,7 +194,7 @@ pub fn run(args: Args) -> Result<()> {
     for policy in policies {
         let mut config = base;
         config.router.policy = policy;
-        let mut sim = Simulation::new(&trace, config)?;
+        let mut sim = Simulation::new(&trace, config)?.with_fleet_events(&args.fleet_events)?;
         sim.run();
         if args.show_decisions > 0 && !args.json {
             for step in sim.steps().iter().take(args.show_decisions) {
@@ -202,10 +213,21 @@ pub fn run(args: Args) -> Result<()> {
     }
     let bound = upper_bound(&trace, base)?;
     if args.json {
-        let json = serde_json::json!({"policies": reports, "upper_bound": bound});
+        let json = serde_json::json!({
+            "policies": reports,
+            "upper_bound": bound,
+            "fleet_events": args.fleet_events,
+        });
         out += &serde_json::to_string_pretty(&json)?;
         out.push('\n');
     } else {
+        if !args.fleet_events.is_empty() {
+            let events: Vec<String> = args.fleet_events.iter().map(ToString::to_string).collect();
+            out += &format!(
+                "fleet: {} (the upper bound's one server has none)\n",
+                events.join(", ")
+            );
+        }
         out += &render_table(&reports, Some(&bound));
     }
     super::write_stdout(&out)

@@ -1,0 +1,132 @@
+//! Replicas that come and go during a run (`prefixroute simulate --fleet-event`): the router
+//! stops using a replica that went away at once, believes nothing of a new one, and forgets a
+//! restarted one at its next scrape. The simulator is deterministic, so these are exact
+//! properties of this code.
+
+use prefixroute_core::config::Policy;
+use prefixroute_sim::fleet::FleetEvent;
+use prefixroute_sim::simulation::{SimConfig, Simulation, SCRAPE_INTERVAL_MS};
+use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
+
+/// `prefixroute trace --shape tenants --tenants 24 --prompt-words 600 --question-words 40
+/// --rate R --requests N --seed S`.
+fn tenants(rate: f64, requests: usize, seed: u64) -> Vec<TraceRecord> {
+    TraceSpec {
+        shape: TraceShape::Tenants,
+        tenants: 24,
+        prompt_words: 600,
+        question_words: 40,
+        rate,
+        requests,
+        seed,
+        ..TraceSpec::default()
+    }
+    .generate()
+    .unwrap()
+}
+
+/// The sweep's `tenants` fleet: six replicas caching a third of the tenants each, 4 lanes.
+fn fleet(policy: Policy, ms_per_token: f64) -> SimConfig {
+    let mut config = SimConfig {
+        replicas: 6,
+        cache_blocks: 420,
+        ..SimConfig::default()
+    };
+    config.timing.lanes = 4;
+    config.timing.decode_ms_per_token = 0.0;
+    config.timing.prefill_ms_per_token = ms_per_token;
+    config.router.policy = policy;
+    config
+}
+
+fn events(specs: &[&str]) -> Vec<FleetEvent> {
+    specs.iter().map(|s| s.parse().unwrap()).collect()
+}
+
+fn run(trace: &[TraceRecord], config: SimConfig, fleet: &[&str]) -> Simulation {
+    let mut sim = Simulation::new(trace, config)
+        .unwrap()
+        .with_fleet_events(&events(fleet))
+        .unwrap();
+    sim.run();
+    sim
+}
+
+#[test]
+fn a_replica_gets_no_request_while_it_is_down_and_its_share_once_it_is_up() {
+    let trace = tenants(20.0, 400, 11);
+    for policy in [Policy::Latency, Policy::RoundRobin] {
+        let sim = run(
+            &trace,
+            fleet(policy, 0.5),
+            &["down:5@0", "up:5@10", "down:1@5"],
+        );
+        let on = |replica: usize, from: f64, to: f64| {
+            sim.steps()
+                .iter()
+                .filter(|s| s.decision.endpoint == replica && (from..to).contains(&s.t))
+                .count()
+        };
+        assert_eq!(on(5, 0.0, 10.0), 0, "{policy}: replica-5 before it joined");
+        assert_eq!(on(1, 5.0, f64::MAX), 0, "{policy}: replica-1 after it left");
+        assert!(on(1, 0.0, 5.0) > 0, "{policy}: replica-1 before it left");
+        if policy == Policy::RoundRobin {
+            // Every fifth request once five replicas are up again.
+            assert!(on(5, 10.0, f64::MAX) >= 35, "{}", on(5, 10.0, f64::MAX));
+        }
+    }
+}
+
+#[test]
+fn a_restarted_replica_is_believed_empty_from_its_next_scrape_on() {
+    let trace = tenants(20.0, 400, 11);
+    let restart_ms = 10_250.0;
+    let seen_ms = 11_000.0;
+    assert_eq!(
+        seen_ms,
+        ((restart_ms / SCRAPE_INTERVAL_MS).floor() + 1.0) * SCRAPE_INTERVAL_MS
+    );
+    let sim = run(&trace, fleet(Policy::Latency, 0.5), &["restart:0@10.25"]);
+    // Sent to replica-0 believing some of the prompt there, and none of it was.
+    let false_hits = |from: f64, to: f64| {
+        sim.steps()
+            .iter()
+            .filter(|s| {
+                s.decision.endpoint == 0
+                    && (from..to).contains(&(s.t * 1000.0))
+                    && s.decision.matched_blocks() > 0
+                    && s.served.cached_tokens == 0
+            })
+            .count()
+    };
+    assert_eq!(false_hits(0.0, restart_ms), 0);
+    assert!(
+        false_hits(restart_ms, seen_ms) > 0,
+        "the stale belief routes to the restarted replica until the scrape"
+    );
+    assert_eq!(
+        false_hits(seen_ms, f64::MAX),
+        0,
+        "after the scrape every believed block there was recorded since the restart"
+    );
+    // With the servers' KV events, the restart is known at once.
+    let mut precise = fleet(Policy::Latency, 0.5);
+    precise.index = prefixroute_core::config::IndexMode::Precise;
+    let sim = run(&trace, precise, &["restart:0@10.25"]);
+    assert_eq!(sim.belief_check().false_hits, 0);
+}
+
+#[test]
+fn fleet_events_naming_a_replica_the_fleet_lacks_are_refused() {
+    let trace = tenants(20.0, 10, 11);
+    let err = Simulation::new(&trace, fleet(Policy::Latency, 0.5))
+        .unwrap()
+        .with_fleet_events(&events(&["down:6@1"]))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("the fleet has 6 replicas (replica-0 to replica-5)"),
+        "{err}"
+    );
+}
