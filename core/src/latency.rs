@@ -1440,6 +1440,21 @@ pub struct Footprint {
     pub growing_blocks: f64,
 }
 
+/// The lanes a prediction assumes on an endpoint: the learned count, but no more than the
+/// server runs while its scrape shows requests waiting. A server that queues has every lane it
+/// will give taken, whatever the fit believes; and the fit believes many lanes until it has
+/// seen first bytes come back late, which takes a prefill's time. Without this, a burst of new
+/// prefixes (a replica went away and its groups look for a home) all go where the prediction
+/// is a few percent lower, each seeing no queue, until the first of them answers.
+pub fn scraped_lanes(learned: u32, server: Option<ServerQueue>) -> u32 {
+    match server {
+        Some(s) if s.waiting >= 1.0 && s.running.is_finite() && s.running >= 1.0 => {
+            learned.min(s.running.min(f64::from(MAX_LANES)) as u32)
+        }
+        _ => learned,
+    }
+}
+
 /// Predicts one request's time to first token on one endpoint, and what the router minimises.
 ///
 /// `matched` is the believed match per chain; `room` the endpoint's believed cache. The queue
@@ -1475,7 +1490,10 @@ pub fn predict(
             .filter(|v| v.is_finite() && *v > 0.0)
             .unwrap_or(config.prefill_ms_per_token),
     );
-    let lanes = inputs.lanes.unwrap_or(config.lanes).clamp(1, MAX_LANES);
+    let lanes = scraped_lanes(
+        inputs.lanes.unwrap_or(config.lanes).clamp(1, MAX_LANES),
+        inputs.server,
+    );
     let hold_ms = inputs
         .hold_ms
         .filter(|v| v.is_finite() && *v >= 0.0)
@@ -1670,6 +1688,66 @@ mod tests {
         let mut rate = PrefillRate::default();
         rate.observe(obs, &config()).unwrap();
         assert!((rate.busy_ms / rate.work_tokens - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_server_that_reports_requests_waiting_is_predicted_to_queue_whatever_the_fit_believes() {
+        let h = hashes(100, 16);
+        // Six long prefills in flight; the fit still believes 256 lanes (it has not yet seen a
+        // first byte come back late).
+        let mut inputs = LatencyInputs {
+            work: EndpointWork {
+                in_flight: 6,
+                prefilling: 6,
+                prefill_tokens: 6 * 700,
+            },
+            lanes: Some(256),
+            server: Some(ServerQueue {
+                waiting: 0.0,
+                running: 6.0,
+            }),
+            ..LatencyInputs::default()
+        };
+        let free = at(&h, 0, CacheRoom::default(), &inputs, &config());
+        assert_eq!((free.lanes, free.queue_ms), (256, 0.0));
+        // The scrape says four run and two wait: every lane is taken, three must finish first.
+        inputs.server = Some(ServerQueue {
+            waiting: 2.0,
+            running: 4.0,
+        });
+        let queued = at(&h, 0, CacheRoom::default(), &inputs, &config());
+        assert_eq!(queued.lanes, 4);
+        assert_eq!(queued.queue_requests, 3.0);
+        assert!(queued.ttft_ms > free.ttft_ms + 500.0, "{queued:?}");
+        // The cap never raises the learned count, and an absurd scrape leaves it alone.
+        let one_lane = |running: f64| {
+            scraped_lanes(
+                1,
+                Some(ServerQueue {
+                    waiting: 3.0,
+                    running,
+                }),
+            )
+        };
+        assert_eq!(one_lane(4.0), 1);
+        assert_eq!(scraped_lanes(8, None), 8);
+        for running in [0.0, f64::NAN, f64::INFINITY, -2.0] {
+            let s = Some(ServerQueue {
+                waiting: 3.0,
+                running,
+            });
+            assert_eq!(scraped_lanes(8, s), 8, "running {running}");
+        }
+        assert_eq!(
+            scraped_lanes(
+                8,
+                Some(ServerQueue {
+                    waiting: 1.0,
+                    running: 1e12
+                })
+            ),
+            8
+        );
     }
 
     #[test]
