@@ -376,6 +376,21 @@ impl LaneFit {
 /// was wrong their first bytes say so and the fit moves down: the mistake corrects itself,
 /// and in the meantime it errs towards locality.
 pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
+    plausible_lanes(fits, config).1
+}
+
+/// The fewest lanes the first bytes have not ruled out (see [`estimate_lanes`] for the
+/// most): the smallest lane count whose pooled excess error is within the tolerance. With no
+/// evidence, one lane; once requests were seen to run `k` at a time without waiting, the
+/// next model above `k`. What a request that no endpoint holds is priced with
+/// ([`Prediction::with_caution`]).
+pub fn estimate_fewest_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
+    plausible_lanes(fits, config).0
+}
+
+/// The fewest and the most lanes, up to the configured `lanes`, whose pooled excess error is
+/// within [`LANE_FIT_TOLERANCE`] of the best model's.
+fn plausible_lanes(fits: &[LaneFit], config: &LatencyConfig) -> (u32, u32) {
     let mut pooled = [0.0f64; LANE_MODELS.len()];
     for fit in fits {
         for (sum, e) in pooled.iter_mut().zip(fit.excess) {
@@ -392,14 +407,16 @@ pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
         .filter(|&(&l, _)| allowed(l))
         .map(|(_, e)| e)
         .fold(f64::INFINITY, f64::min);
-    LANE_MODELS
-        .iter()
-        .zip(pooled)
-        .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
-        .map(|(&l, _)| l)
-        .max()
-        .unwrap_or(1)
-        .min(cap)
+    let plausible = || {
+        LANE_MODELS
+            .iter()
+            .zip(pooled)
+            .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
+            .map(|(&l, _)| l)
+    };
+    let most = plausible().max().unwrap_or(1).min(cap);
+    let fewest = plausible().min().unwrap_or(1).min(most);
+    (fewest, most)
 }
 
 /// What the router learns from first bytes: every endpoint's prefill rate and the fleet's
@@ -447,7 +464,20 @@ impl HoldTime {
 pub struct Estimate {
     pub ms_per_token: Vec<f64>,
     pub lanes: u32,
+    /// The fewest lanes not ruled out ([`estimate_fewest_lanes`]).
+    pub fewest_lanes: u32,
     pub hold_ms: f64,
+}
+
+impl Estimate {
+    /// Puts what was learned into one endpoint's inputs: its cost per token (the prior if it
+    /// has none), the fleet's lanes and hold time.
+    pub fn apply_to(&self, endpoint: usize, inputs: &mut LatencyInputs) {
+        inputs.ms_per_token = self.ms_per_token.get(endpoint).copied();
+        inputs.lanes = Some(self.lanes);
+        inputs.fewest_lanes = Some(self.fewest_lanes);
+        inputs.hold_ms = Some(self.hold_ms);
+    }
 }
 
 impl LearnedModel {
@@ -509,6 +539,7 @@ impl LearnedModel {
         Estimate {
             ms_per_token: estimate_rates(&self.rates, config),
             lanes: estimate_lanes(&[self.lanes], config),
+            fewest_lanes: estimate_fewest_lanes(&[self.lanes], config),
             hold_ms: self.hold.mean_ms(),
         }
     }
@@ -757,6 +788,9 @@ pub struct LatencyInputs {
     pub ms_per_token: Option<f64>,
     /// `None` = not learned yet: the configured prior.
     pub lanes: Option<u32>,
+    /// The fewest lanes the first bytes have not ruled out ([`estimate_fewest_lanes`]);
+    /// `None`: no caution ([`Prediction::with_caution`]).
+    pub fewest_lanes: Option<u32>,
     /// Mean time a request holds its lane after its first byte (decoding); `None` = 0.
     pub hold_ms: Option<f64>,
 }
@@ -797,7 +831,11 @@ pub struct Prediction {
     /// queue where it is held ([`copy_credit_ms`]); 0 where it continues or holds the most.
     #[serde(default)]
     pub copy_credit_ms: f64,
-    /// What the router minimises: TTFT + delay to others + room − copy credit.
+    /// What the request would wait for beyond `queue_ms` if the endpoint had only the fewest
+    /// lanes not ruled out ([`Prediction::with_caution`]); 0 unless no endpoint holds any of it.
+    #[serde(default)]
+    pub caution_ms: f64,
+    /// What the router minimises: TTFT + delay to others + room − copy credit + caution.
     pub cost_ms: f64,
 }
 
@@ -811,6 +849,34 @@ impl Prediction {
         };
         self.cost_ms = self.cost_ms + self.copy_credit_ms - credit;
         self.copy_credit_ms = credit;
+        self
+    }
+
+    /// The same prediction priced with caution: its cost adds the wait it would have if the
+    /// endpoint ran only `fewest_lanes` lanes (the fewest the first bytes have not ruled out)
+    /// beyond the wait predicted with the learned lanes.
+    ///
+    /// For a request no endpoint holds any of. The lane fit believes the most lanes it cannot
+    /// rule out ([`estimate_lanes`]) because stacking requests where their prefix is errs
+    /// towards locality and corrects itself from first bytes. A request with nothing cached
+    /// anywhere gains no locality by stacking, and a burst of them (a replica went away and its
+    /// groups look for homes; a batch of new conversations) is placed before any first byte
+    /// comes back: each sees no wait behind the others' prefills and all go where the
+    /// learned cost per token is a few percent lower, until the real lanes run out. Priced
+    /// with caution they spread by the prefill work in flight, as far as the evidence allows:
+    /// once requests were seen to run `k` at a time, stacking up to `k` costs nothing.
+    pub fn with_caution(mut self, fewest_lanes: u32) -> Prediction {
+        let fewest = fewest_lanes.clamp(1, self.lanes.max(1));
+        let wait = self.backlog.queue(fewest, self.hold_ms);
+        let waited = wait.tokens * self.ms_per_token + wait.hold_ms;
+        let caution = waited - self.queue_ms;
+        let caution = if caution.is_finite() {
+            caution.max(0.0)
+        } else {
+            0.0
+        };
+        self.cost_ms = self.cost_ms - self.caution_ms + caution;
+        self.caution_ms = caution;
         self
     }
 }
@@ -1547,6 +1613,7 @@ pub fn predict(
         room_blocks,
         room_ms,
         copy_credit_ms: 0.0,
+        caution_ms: 0.0,
         cost_ms: ttft_ms + delay_to_others_ms + room_ms,
     }
 }
@@ -2032,6 +2099,64 @@ mod tests {
         // The configured lanes cap the choice.
         let capped = LatencyConfig { lanes: 2, ..c };
         assert_eq!(estimate_lanes(&[fit_on(8, &stacked)], &capped), 2);
+    }
+
+    #[test]
+    fn the_fewest_lanes_not_ruled_out_are_one_more_than_were_seen_running_at_once() {
+        let c = LatencyConfig::default();
+        let fewest = |fit: LaneFit| estimate_fewest_lanes(&[fit], &c);
+        // No evidence: one lane cannot be ruled out.
+        assert_eq!(fewest(LaneFit::default()), 1);
+        assert_eq!(fewest(fit_on(8, &[(0.0, 0.0)])), 1);
+        // One request ahead that did not wait rules out one lane, not two.
+        assert_eq!(fewest(fit_on(8, &[(1.0, 400.0)])), 2);
+        // Three ahead without waiting: four lanes at least (the next model above three).
+        assert_eq!(fewest(fit_on(8, &[(1.0, 400.0), (3.0, 1200.0)])), 4);
+        // Where the waits show the lanes, the fewest and the most agree.
+        let stacked = [(1.0, 400.0), (2.0, 800.0), (3.0, 1200.0), (5.0, 2000.0)];
+        assert_eq!(fewest(fit_on(4, &stacked)), 4);
+        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c), 4);
+        assert_eq!(fewest(fit_on(1, &stacked)), 1);
+        // Never more than the configured lanes.
+        let capped = LatencyConfig { lanes: 2, ..c };
+        assert_eq!(estimate_fewest_lanes(&[fit_on(8, &stacked)], &capped), 2);
+    }
+
+    #[test]
+    fn caution_prices_the_wait_under_the_fewest_lanes_beyond_the_predicted_one() {
+        let h = hashes(100, 16);
+        // Two prefills of 600 tokens in flight; 256 lanes believed: no wait predicted.
+        let inputs = LatencyInputs {
+            work: EndpointWork {
+                in_flight: 2,
+                prefilling: 2,
+                prefill_tokens: 1200,
+            },
+            ms_per_token: Some(1.0),
+            lanes: Some(256),
+            ..LatencyInputs::default()
+        };
+        let p = at(&h, 0, CacheRoom::default(), &inputs, &config());
+        assert_eq!((p.queue_ms, p.caution_ms), (0.0, 0.0));
+        // With one lane the request would wait for all 1,200 tokens.
+        let one = p.with_caution(1);
+        assert_eq!(one.caution_ms, 1200.0);
+        assert_eq!(one.cost_ms, p.cost_ms + 1200.0);
+        assert_eq!(
+            one.ttft_ms, p.ttft_ms,
+            "the prediction is not changed, only its price"
+        );
+        // Applied again, it replaces itself; three lanes leave one free: no caution.
+        assert_eq!(one.with_caution(3).cost_ms, p.cost_ms);
+        assert_eq!(p.with_caution(256).caution_ms, 0.0);
+        // Never below the predicted wait: fewest lanes above the learned ones change nothing.
+        let one_lane = LatencyInputs {
+            lanes: Some(1),
+            ..inputs
+        };
+        let q = at(&h, 0, CacheRoom::default(), &one_lane, &config());
+        assert_eq!(q.with_caution(4).caution_ms, 0.0);
+        assert_eq!(q.with_caution(0).caution_ms, 0.0);
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl Decision {
                     Some(p) => format!(
                         "{mark} {}: match {}/{}{}, {} uncached tokens, queue {:.0} ms ({:.1} requests), \
                          TTFT {:.0} ms at {:.3} ms/token and {} lanes, delay to others {:.0} ms, \
-                         room {:.1} blocks {:.0} ms, {}cost {:.0} ms, {room}{state}",
+                         room {:.1} blocks {:.0} ms, {}{}cost {:.0} ms, {room}{state}",
                         name(i),
                         s.matched_blocks,
                         self.total_blocks,
@@ -198,6 +198,11 @@ impl Decision {
                         p.room_ms,
                         if p.copy_credit_ms > 0.0 {
                             format!("copy credit {:.0} ms, ", p.copy_credit_ms)
+                        } else {
+                            String::new()
+                        },
+                        if p.caution_ms > 0.0 {
+                            format!("caution {:.0} ms, ", p.caution_ms)
                         } else {
                             String::new()
                         },
@@ -634,6 +639,11 @@ impl<S: PrefixStore> Router<S> {
                         &self.config.latency,
                     )
                 });
+                // Nothing to lose by spreading a request no endpoint holds any of.
+                let prediction = match (prediction, loads[i].latency.fewest_lanes) {
+                    (Some(p), Some(fewest)) if cold => Some(p.with_caution(fewest)),
+                    (p, _) => p,
+                };
                 let total = match self.config.policy {
                     Policy::Latency => prediction.map_or(0.0, |p| -p.cost_ms),
                     Policy::Prefix => {
@@ -1417,6 +1427,57 @@ mod tests {
         let other = hashes("zz yy ");
         let d3 = r.pick(&other, &idle(2)).unwrap();
         assert_eq!(r.commit(&d3, &other).unwrap().now_ms, 2_500.0);
+    }
+
+    #[test]
+    fn a_request_no_endpoint_holds_is_priced_with_the_fewest_lanes_not_ruled_out() {
+        let words = |tag: &str| -> String { (0..120).map(|i| format!("{tag}{i} ")).collect() };
+        // Endpoint 0 is 10% cheaper per token; 256 lanes are believed everywhere.
+        let loads = |in_flight_at_0: u32, fewest: Option<u32>| -> Vec<EndpointLoad> {
+            let mut loads = idle(3);
+            for (e, load) in loads.iter_mut().enumerate() {
+                load.latency.ms_per_token = Some(if e == 0 { 0.9 } else { 1.0 });
+                load.latency.lanes = Some(256);
+                load.latency.fewest_lanes = fewest;
+            }
+            loads[0].latency.work = crate::latency::EndpointWork {
+                in_flight: in_flight_at_0,
+                prefilling: in_flight_at_0,
+                prefill_tokens: 800 * u64::from(in_flight_at_0),
+            };
+            loads
+        };
+        let mut r = router(Policy::Latency, 3);
+        let held = hashes(&words("p"));
+        let d = r.pick(&held, &loads(0, Some(1))).unwrap();
+        assert_eq!(d.endpoint, 0, "idle: the cheapest");
+        r.commit(&d, &held).unwrap();
+
+        // One long prefill in flight on 0. A new prompt gains nothing by stacking behind it:
+        // with no evidence of more than one lane, the wait it might have is priced there.
+        let new = hashes(&words("n"));
+        let d = r.pick(&new, &loads(1, Some(1))).unwrap();
+        assert_ne!(d.endpoint, 0);
+        let at_0 = d.scores[0].prediction.unwrap();
+        assert_eq!(
+            at_0.queue_ms, 0.0,
+            "the prediction itself keeps the learned lanes"
+        );
+        assert!((at_0.caution_ms - 800.0 * 0.9).abs() < 1e-6, "{at_0:?}");
+        let names: Vec<String> = (0..3).map(|e| format!("e{e}")).collect();
+        let lines = d.endpoint_lines(&names);
+        assert!(lines[0].contains("caution 720 ms, cost"), "{lines:?}");
+        // Once two were seen to run at once, one in flight costs nothing; nor without a fit.
+        for fewest in [Some(2), None] {
+            let d = r.pick(&new, &loads(1, fewest)).unwrap();
+            assert_eq!(d.endpoint, 0, "fewest lanes {fewest:?}");
+            assert_eq!(d.scores[0].prediction.unwrap().caution_ms, 0.0);
+        }
+        // A request whose prefix 0 holds stays there: stacking it keeps its locality.
+        let continued = hashes(&format!("{} more words here", words("p")));
+        let d = r.pick(&continued, &loads(1, Some(1))).unwrap();
+        assert_eq!(d.endpoint, 0);
+        assert_eq!(d.scores[0].prediction.unwrap().caution_ms, 0.0);
     }
 
     #[test]

@@ -377,9 +377,7 @@ impl<H: SharedData> Scheduler<H> {
                     )
                 });
                 self.router.set_capacity(e, capacity);
-                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
-                load.latency.lanes = Some(learned.lanes);
-                load.latency.hold_ms = Some(learned.hold_ms);
+                learned.apply_to(e, &mut load.latency);
                 load
             })
             .collect()
@@ -1363,9 +1361,7 @@ mod tests {
             let loads: Vec<EndpointLoad> = (0..metrics.len())
                 .map(|e| {
                     let mut load = estimate_load(Some(&metrics[e]), self.ledger.work[e], false);
-                    load.latency.ms_per_token = Some(learned.ms_per_token[e]);
-                    load.latency.lanes = Some(learned.lanes);
-                    load.latency.hold_ms = Some(learned.hold_ms);
+                    learned.apply_to(e, &mut load.latency);
                     load
                 })
                 .collect();

@@ -459,9 +459,7 @@ impl Simulation {
                 load.down = !self.routable[e];
                 load.latency.work = self.ledger.work[e];
                 load.latency.server = Some(ServerQueue { waiting, running });
-                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
-                load.latency.lanes = Some(learned.lanes);
-                load.latency.hold_ms = Some(learned.hold_ms);
+                learned.apply_to(e, &mut load.latency);
                 load
             })
             .collect()

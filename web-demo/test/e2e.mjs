@@ -126,7 +126,7 @@ describe('web demo', { concurrency: false }, () => {
     })));
     assert.equal(rows.length, 3);
     for (const row of rows) {
-      assert.deepEqual(row.columns, ['uncached_tokens', 'queue_ms', 'ttft_ms', 'delay_to_others_ms', 'room_ms', 'copy_credit_ms']);
+      assert.deepEqual(row.columns, ['uncached_tokens', 'queue_ms', 'ttft_ms', 'delay_to_others_ms', 'room_ms', 'copy_credit_ms', 'caution_ms']);
       assert.ok(Number.isFinite(row.cost) && row.cost > 0);
     }
     const win = rows.find((r) => r.winner);

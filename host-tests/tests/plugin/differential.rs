@@ -338,9 +338,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
         let loads: Vec<EndpointLoad> = (0..N)
             .map(|e| {
                 let mut load = mirror.load(e, now, cfg.scrape.stale_after_ms, &ledger);
-                load.latency.ms_per_token = Some(learned.ms_per_token[e]);
-                load.latency.lanes = Some(learned.lanes);
-                load.latency.hold_ms = Some(learned.hold_ms);
+                learned.apply_to(e, &mut load.latency);
                 load
             })
             .collect();
