@@ -407,16 +407,14 @@ fn plausible_lanes(fits: &[LaneFit], config: &LatencyConfig) -> (u32, u32) {
         .filter(|&(&l, _)| allowed(l))
         .map(|(_, e)| e)
         .fold(f64::INFINITY, f64::min);
-    let plausible = || {
-        LANE_MODELS
-            .iter()
-            .zip(pooled)
-            .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
-            .map(|(&l, _)| l)
-    };
-    let most = plausible().max().unwrap_or(1).min(cap);
-    let fewest = plausible().min().unwrap_or(1).min(most);
-    (fewest, most)
+    // LANE_MODELS ascend: the first plausible model is the fewest, the last the most.
+    let (fewest, most) = LANE_MODELS
+        .iter()
+        .zip(pooled)
+        .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
+        .fold((None, 1), |(fewest, _), (&l, _)| (fewest.or(Some(l)), l));
+    let most = most.min(cap);
+    (fewest.unwrap_or(1).min(most), most)
 }
 
 /// What the router learns from first bytes: every endpoint's prefill rate and the fleet's
@@ -536,10 +534,11 @@ impl LearnedModel {
 
     /// Every endpoint's cost per token, the fleet's lanes and hold time.
     pub fn estimate(&self, config: &LatencyConfig) -> Estimate {
+        let (fewest_lanes, lanes) = plausible_lanes(&[self.lanes], config);
         Estimate {
             ms_per_token: estimate_rates(&self.rates, config),
-            lanes: estimate_lanes(&[self.lanes], config),
-            fewest_lanes: estimate_fewest_lanes(&[self.lanes], config),
+            lanes,
+            fewest_lanes,
             hold_ms: self.hold.mean_ms(),
         }
     }
