@@ -2126,14 +2126,9 @@ mod tests {
         let h = hashes(100, 16);
         // Two prefills of 600 tokens in flight; 256 lanes believed: no wait predicted.
         let inputs = LatencyInputs {
-            work: EndpointWork {
-                in_flight: 2,
-                prefilling: 2,
-                prefill_tokens: 1200,
-            },
             ms_per_token: Some(1.0),
             lanes: Some(256),
-            ..LatencyInputs::default()
+            ..busy(2, 1200)
         };
         let p = at(&h, 0, CacheRoom::default(), &inputs, &config());
         assert_eq!((p.queue_ms, p.caution_ms), (0.0, 0.0));
