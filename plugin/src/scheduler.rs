@@ -548,6 +548,7 @@ impl<H: SharedData> Scheduler<H> {
         let estimate = pooled.learned.estimate(&self.config.latency);
         self.events.push(Event::Learned {
             lanes: estimate.lanes,
+            fewest_lanes: estimate.fewest_lanes,
             hold_us: (estimate.hold_ms * 1e3).round() as u64,
         });
         let rates = estimate.ms_per_token;

@@ -97,6 +97,9 @@ pub enum Event {
     /// once) and the mean time a request holds its lane after its first byte (decoding).
     Learned {
         lanes: u32,
+        /// The fewest lanes the first bytes have not ruled out: what a request no endpoint
+        /// holds is priced with (core's `Prediction::with_caution`).
+        fewest_lanes: u32,
         hold_us: u64,
     },
     /// Current view of an endpoint, set on every tick.
@@ -287,8 +290,16 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             ("prefixroute.latency.observations", *used),
             ("prefixroute.latency.observations_refused", *refused),
         ]),
-        Event::Learned { lanes, hold_us } => vec![
+        Event::Learned {
+            lanes,
+            fewest_lanes,
+            hold_us,
+        } => vec![
             gauge("prefixroute.latency.lanes".into(), u64::from(*lanes)),
+            gauge(
+                "prefixroute.latency.fewest_lanes".into(),
+                u64::from(*fewest_lanes),
+            ),
             gauge("prefixroute.latency.hold_us".into(), *hold_us),
         ],
         Event::Gauges {
@@ -382,7 +393,8 @@ mod tests {
         );
         let u = updates(
             &Event::Learned {
-                lanes: 2,
+                lanes: 8,
+                fewest_lanes: 2,
                 hold_us: 1500,
             },
             &names,
@@ -390,7 +402,8 @@ mod tests {
         assert_eq!(
             u,
             vec![
-                gauge("prefixroute.latency.lanes".into(), 2),
+                gauge("prefixroute.latency.lanes".into(), 8),
+                gauge("prefixroute.latency.fewest_lanes".into(), 2),
                 gauge("prefixroute.latency.hold_us".into(), 1500),
             ]
         );
