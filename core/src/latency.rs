@@ -366,31 +366,27 @@ impl LaneFit {
     }
 }
 
-/// The fleet's lane count: the largest lane count, up to the configured `lanes`, whose excess
-/// error pooled over every endpoint is within a tolerance of the best model's.
-///
-/// Why the largest: observations with `k` requests ahead cannot tell `k + 1` lanes from 256,
-/// and the choice decides what the router will see next. Assuming few lanes makes it avoid
-/// stacking requests, so it never observes whether more would have run at once: the mistake
-/// confirms itself. Assuming many makes it stack requests where the prefix is, and if that
-/// was wrong their first bytes say so and the fit moves down: the mistake corrects itself,
-/// and in the meantime it errs towards locality.
-pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
-    plausible_lanes(fits, config).1
+/// The lane counts, up to the configured `lanes`, whose excess error pooled over every
+/// endpoint is within a tolerance of the best model's: the fewest and the most of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlausibleLanes {
+    /// The fleet's lane count, what every prediction assumes: the most lanes not ruled out.
+    ///
+    /// Why the most: observations with `k` requests ahead cannot tell `k + 1` lanes from 256,
+    /// and the choice decides what the router will see next. Assuming few lanes makes it avoid
+    /// stacking requests, so it never observes whether more would have run at once: the
+    /// mistake confirms itself. Assuming many makes it stack requests where the prefix is, and
+    /// if that was wrong their first bytes say so and the fit moves down: the mistake corrects
+    /// itself, and in the meantime it errs towards locality.
+    pub most: u32,
+    /// The fewest lanes not ruled out: with no evidence, one; once requests were seen to run
+    /// `k` at a time without waiting, the next model above `k`. What a request that no
+    /// endpoint holds is priced with ([`Prediction::with_caution`]).
+    pub fewest: u32,
 }
 
-/// The fewest lanes the first bytes have not ruled out (see [`estimate_lanes`] for the
-/// most): the smallest lane count whose pooled excess error is within the tolerance. With no
-/// evidence, one lane; once requests were seen to run `k` at a time without waiting, the
-/// next model above `k`. What a request that no endpoint holds is priced with
-/// ([`Prediction::with_caution`]).
-pub fn estimate_fewest_lanes(fits: &[LaneFit], config: &LatencyConfig) -> u32 {
-    plausible_lanes(fits, config).0
-}
-
-/// The fewest and the most lanes, up to the configured `lanes`, whose pooled excess error is
-/// within [`LANE_FIT_TOLERANCE`] of the best model's.
-fn plausible_lanes(fits: &[LaneFit], config: &LatencyConfig) -> (u32, u32) {
+/// Which lane counts the first bytes pooled in `fits` have not ruled out ([`PlausibleLanes`]).
+pub fn estimate_lanes(fits: &[LaneFit], config: &LatencyConfig) -> PlausibleLanes {
     let mut pooled = [0.0f64; LANE_MODELS.len()];
     for fit in fits {
         for (sum, e) in pooled.iter_mut().zip(fit.excess) {
@@ -414,7 +410,10 @@ fn plausible_lanes(fits: &[LaneFit], config: &LatencyConfig) -> (u32, u32) {
         .filter(|&(&l, e)| allowed(l) && e <= least + LANE_FIT_TOLERANCE)
         .fold((None, 1), |(fewest, _), (&l, _)| (fewest.or(Some(l)), l));
     let most = most.min(cap);
-    (fewest.unwrap_or(1).min(most), most)
+    PlausibleLanes {
+        most,
+        fewest: fewest.unwrap_or(1).min(most),
+    }
 }
 
 /// What the router learns from first bytes: every endpoint's prefill rate and the fleet's
@@ -462,7 +461,7 @@ impl HoldTime {
 pub struct Estimate {
     pub ms_per_token: Vec<f64>,
     pub lanes: u32,
-    /// The fewest lanes not ruled out ([`estimate_fewest_lanes`]).
+    /// The fewest lanes not ruled out ([`PlausibleLanes::fewest`]).
     pub fewest_lanes: u32,
     pub hold_ms: f64,
 }
@@ -534,11 +533,11 @@ impl LearnedModel {
 
     /// Every endpoint's cost per token, the fleet's lanes and hold time.
     pub fn estimate(&self, config: &LatencyConfig) -> Estimate {
-        let (fewest_lanes, lanes) = plausible_lanes(&[self.lanes], config);
+        let lanes = estimate_lanes(&[self.lanes], config);
         Estimate {
             ms_per_token: estimate_rates(&self.rates, config),
-            lanes,
-            fewest_lanes,
+            lanes: lanes.most,
+            fewest_lanes: lanes.fewest,
             hold_ms: self.hold.mean_ms(),
         }
     }
@@ -787,7 +786,7 @@ pub struct LatencyInputs {
     pub ms_per_token: Option<f64>,
     /// `None` = not learned yet: the configured prior.
     pub lanes: Option<u32>,
-    /// The fewest lanes the first bytes have not ruled out ([`estimate_fewest_lanes`]);
+    /// The fewest lanes the first bytes have not ruled out ([`PlausibleLanes::fewest`]);
     /// `None`: no caution ([`Prediction::with_caution`]).
     pub fewest_lanes: Option<u32>,
     /// Mean time a request holds its lane after its first byte (decoding); `None` = 0.
@@ -856,7 +855,7 @@ impl Prediction {
     /// beyond the wait predicted with the learned lanes.
     ///
     /// For a request no endpoint holds any of. The lane fit believes the most lanes it cannot
-    /// rule out ([`estimate_lanes`]) because stacking requests where their prefix is errs
+    /// rule out ([`PlausibleLanes::most`]) because stacking requests where their prefix is errs
     /// towards locality and corrects itself from first bytes. A request with nothing cached
     /// anywhere gains no locality by stacking, and a burst of them (a replica went away and its
     /// groups look for homes; a batch of new conversations) is placed before any first byte
@@ -2087,23 +2086,26 @@ mod tests {
             (5.0, 2000.0),
         ];
         // One compute-bound batch (vLLM): every request waits for all the work ahead.
-        assert_eq!(estimate_lanes(&[fit_on(1, &stacked)], &c), 1);
+        assert_eq!(estimate_lanes(&[fit_on(1, &stacked)], &c).most, 1);
         // Four independent lanes: waits start at the fourth request.
-        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c), 4);
+        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c).most, 4);
         // Nothing stacked yet: every model fits, the configured (optimistic) prior stands.
-        assert_eq!(estimate_lanes(&[fit_on(1, &[(0.0, 0.0)])], &c), c.lanes);
+        assert_eq!(
+            estimate_lanes(&[fit_on(1, &[(0.0, 0.0)])], &c).most,
+            c.lanes
+        );
         // With at most one request ahead, more than one lane can't be told apart from many:
         // the largest consistent model wins (its mistakes show up and get corrected).
-        assert_eq!(estimate_lanes(&[fit_on(2, &[(1.0, 400.0)])], &c), 256);
+        assert_eq!(estimate_lanes(&[fit_on(2, &[(1.0, 400.0)])], &c).most, 256);
         // The configured lanes cap the choice.
         let capped = LatencyConfig { lanes: 2, ..c };
-        assert_eq!(estimate_lanes(&[fit_on(8, &stacked)], &capped), 2);
+        assert_eq!(estimate_lanes(&[fit_on(8, &stacked)], &capped).most, 2);
     }
 
     #[test]
     fn the_fewest_lanes_not_ruled_out_are_one_more_than_were_seen_running_at_once() {
         let c = LatencyConfig::default();
-        let fewest = |fit: LaneFit| estimate_fewest_lanes(&[fit], &c);
+        let fewest = |fit: LaneFit| estimate_lanes(&[fit], &c).fewest;
         // No evidence: one lane cannot be ruled out.
         assert_eq!(fewest(LaneFit::default()), 1);
         assert_eq!(fewest(fit_on(8, &[(0.0, 0.0)])), 1);
@@ -2114,11 +2116,11 @@ mod tests {
         // Where the waits show the lanes, the fewest and the most agree.
         let stacked = [(1.0, 400.0), (2.0, 800.0), (3.0, 1200.0), (5.0, 2000.0)];
         assert_eq!(fewest(fit_on(4, &stacked)), 4);
-        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c), 4);
+        assert_eq!(estimate_lanes(&[fit_on(4, &stacked)], &c).most, 4);
         assert_eq!(fewest(fit_on(1, &stacked)), 1);
         // Never more than the configured lanes.
         let capped = LatencyConfig { lanes: 2, ..c };
-        assert_eq!(estimate_fewest_lanes(&[fit_on(8, &stacked)], &capped), 2);
+        assert_eq!(estimate_lanes(&[fit_on(8, &stacked)], &capped).fewest, 2);
     }
 
     #[test]
