@@ -4,7 +4,7 @@
 //! before it, so one hash names the whole prefix up to the end of its block. "The longest run
 //! of leading hashes an endpoint knows" is then exactly "the longest shared prefix".
 
-use xxhash_rust::xxh64::{xxh64, Xxh64};
+use xxhash_rust::xxh64::Xxh64;
 
 use crate::request::{ParsedRequest, Prompt};
 use crate::tokenizer::for_each_token_at;
@@ -40,33 +40,23 @@ pub fn chain_seed(model: &str, cache_salt: &str) -> u64 {
     h.digest()
 }
 
-/// The hash of one block given its tokens and the previous block's hash (or the seed).
+/// The hash of one block given its tokens and the previous block's hash (or the seed):
+/// xxh64 of the token ids as little-endian bytes, then xxh64 of that hash and the parent's.
 pub fn block_hash(tokens: &[u32], parent: u64) -> u64 {
-    let mut bytes = [0u8; 16 * 4];
-    if tokens.len() <= 16 {
-        for (chunk, t) in bytes.chunks_exact_mut(4).zip(tokens) {
-            chunk.copy_from_slice(&t.to_le_bytes());
+    let own = match <&[u32; 16]>::try_from(tokens) {
+        // vLLM's default block size on GPUs: the specialised hash (see `fixed`).
+        Ok(block) => fixed::xxh64_64(&std::array::from_fn(|i| {
+            u64::from(block[2 * i]) | u64::from(block[2 * i + 1]) << 32
+        })),
+        Err(_) => {
+            let mut h = Xxh64::new(0);
+            for t in tokens {
+                h.update(&t.to_le_bytes());
+            }
+            h.digest()
         }
-        return chain_step(&bytes[..tokens.len() * 4], parent);
-    }
-    let mut h = Xxh64::new(0);
-    for t in tokens {
-        h.update(&t.to_le_bytes());
-    }
-    pair_hash(h.digest(), parent)
-}
-
-/// The chain step on a block's token ids as little-endian bytes: what [`block_hash`] computes,
-/// for callers that already hold the bytes.
-fn chain_step(token_bytes: &[u8], parent: u64) -> u64 {
-    pair_hash(xxh64(token_bytes, 0), parent)
-}
-
-fn pair_hash(own: u64, parent: u64) -> u64 {
-    let mut pair = [0u8; 16];
-    pair[..8].copy_from_slice(&own.to_le_bytes());
-    pair[8..].copy_from_slice(&parent.to_le_bytes());
-    xxh64(&pair, 0)
+    };
+    fixed::xxh64_pair(own, parent)
 }
 
 /// Chained hashes of `tokens`, appended to `out`.
@@ -159,17 +149,17 @@ pub fn chain_text_marked(
 }
 
 /// A chain being built token by token: the hash of its last full block (or the seed) and the
-/// tokens of the block not yet full, as the bytes xxh64 reads.
+/// tokens of the block not yet full.
 #[derive(Debug, Clone)]
 struct Chainer {
     parent: u64,
-    /// The token ids of the partial block, little-endian, `filled` bytes of them; a token
-    /// costs one 4-byte store here, not a push and a later copy (one-shot xxh64 of a block's
-    /// bytes equals the streaming hash `block_hash` uses for long blocks).
-    pending: Vec<u8>,
+    /// The partial block's token ids, `filled` of them; a token costs one store here, and
+    /// the count of tokens is kept per block, not per token (this is the plugin's hottest
+    /// path after the tokenizer's byte loop).
+    pending: Vec<u32>,
     filled: usize,
-    /// Tokens so far.
-    count: usize,
+    /// Tokens in the full blocks so far.
+    full_tokens: usize,
     block_size: usize,
     include_partial: bool,
 }
@@ -179,9 +169,9 @@ impl Chainer {
         let block_size = config.block_size.max(1);
         Chainer {
             parent: seed,
-            pending: vec![0; block_size * 4],
+            pending: vec![0; block_size],
             filled: 0,
-            count: 0,
+            full_tokens: 0,
             block_size,
             include_partial: config.include_partial,
         }
@@ -189,21 +179,26 @@ impl Chainer {
 
     #[inline(always)]
     fn push(&mut self, id: u32, out: &mut Vec<u64>) {
-        self.count += 1;
-        if let Some(slot) = self.pending.get_mut(self.filled..self.filled + 4) {
-            slot.copy_from_slice(&id.to_le_bytes());
+        if let Some(slot) = self.pending.get_mut(self.filled) {
+            *slot = id;
         }
-        self.filled += 4;
-        if self.filled == self.pending.len() {
-            self.parent = chain_step(&self.pending, self.parent);
+        self.filled += 1;
+        if self.filled == self.block_size {
+            self.parent = block_hash(&self.pending, self.parent);
             out.push(self.parent);
             self.filled = 0;
+            self.full_tokens += self.block_size;
         }
+    }
+
+    /// Tokens so far.
+    fn count(&self) -> usize {
+        self.full_tokens + self.filled
     }
 
     /// The number of full blocks so far, appended to `marks` unless zero or a repeat.
     fn mark(&self, marks: &mut Vec<usize>) {
-        let blocks = self.count / self.block_size;
+        let blocks = self.full_tokens / self.block_size;
         if blocks > 0 && marks.last() != Some(&blocks) {
             marks.push(blocks);
         }
@@ -212,27 +207,28 @@ impl Chainer {
     /// Hashes the partial block (if configured) and returns the token count.
     fn finish(self, out: &mut Vec<u64>) -> usize {
         if self.filled > 0 && self.include_partial {
-            out.push(chain_step(&self.pending[..self.filled], self.parent));
+            out.push(block_hash(&self.pending[..self.filled], self.parent));
         }
-        self.count
+        self.count()
     }
 
     /// The state a text leaves the chain in (see [`Chainer::resume`]): its last hash and the
-    /// bytes of its partial block.
-    fn state(&self) -> (u64, Vec<u8>) {
+    /// tokens of its partial block.
+    fn state(&self) -> (u64, Vec<u32>) {
         (self.parent, self.pending[..self.filled].to_vec())
     }
 
     /// Continues as if `tokens` more tokens had left the chain in `state`. False (and the
     /// chain unchanged) if the partial block does not fit this chain's block size.
-    fn resume(&mut self, (parent, pending): (u64, &[u8]), tokens: usize) -> bool {
-        let Some(slot) = self.pending.get_mut(..pending.len()) else {
+    fn resume(&mut self, (parent, pending): (u64, &[u32]), tokens: usize) -> bool {
+        let total = self.count() + tokens;
+        if pending.len() >= self.block_size || total < pending.len() {
             return false;
-        };
-        slot.copy_from_slice(pending);
+        }
+        self.pending[..pending.len()].copy_from_slice(pending);
         self.filled = pending.len();
+        self.full_tokens = total - pending.len();
         self.parent = parent;
-        self.count += tokens;
         true
     }
 
@@ -241,11 +237,14 @@ impl Chainer {
     fn state_key(&self) -> u64 {
         let mut h = Xxh64::new(self.parent);
         h.update(&(self.block_size as u64).to_le_bytes());
-        h.update(&self.pending[..self.filled]);
+        for t in &self.pending[..self.filled] {
+            h.update(&t.to_le_bytes());
+        }
         h.digest()
     }
 }
 
+mod fixed;
 pub mod memo;
 pub use memo::{ChainMemo, MemoStats};
 
@@ -392,14 +391,23 @@ mod tests {
     }
 
     #[test]
-    fn long_blocks_hash_like_the_short_path_would() {
-        // Blocks above 16 tokens take the streaming path; it must agree with one-shot xxh64.
-        let tokens: Vec<u32> = (0..40).collect();
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        let own = xxh64(&bytes, 0);
-        let mut pair = own.to_le_bytes().to_vec();
-        pair.extend_from_slice(&9u64.to_le_bytes());
-        assert_eq!(block_hash(&tokens, 9), xxh64(&pair, 0));
+    fn every_block_length_hashes_as_xxh64_of_its_bytes_then_of_the_pair() {
+        // 16 tokens take the specialised path, every other length the crate's streaming one;
+        // both must be xxh64(token bytes) then xxh64(own ++ parent).
+        for len in 0..=40u32 {
+            let tokens: Vec<u32> = (0..len)
+                .map(|t| t.wrapping_mul(0x9E37_79B9) ^ len)
+                .collect();
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let own = xxhash_rust::xxh64::xxh64(&bytes, 0);
+            let mut pair = own.to_le_bytes().to_vec();
+            pair.extend_from_slice(&9u64.to_le_bytes());
+            assert_eq!(
+                block_hash(&tokens, 9),
+                xxhash_rust::xxh64::xxh64(&pair, 0),
+                "{len} tokens"
+            );
+        }
     }
 
     #[test]

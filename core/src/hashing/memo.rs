@@ -48,7 +48,7 @@ struct Segment {
     blocks: Vec<u64>,
     /// The chain's state after it: last hash and partial block.
     parent: u64,
-    pending: Vec<u8>,
+    pending: Vec<u32>,
 }
 
 /// Hits and misses since the memo was made (misses count only messages long enough to keep).
@@ -150,12 +150,12 @@ impl ChainMemo {
             return;
         }
         *slot = 0;
-        let (before, tokens) = (out.len(), chain.count);
+        let (before, tokens) = (out.len(), chain.count());
         for_each_token(message, |id| chain.push(id, out));
         let (parent, pending) = chain.state();
         let segment = Segment {
             bytes: message.len(),
-            tokens: chain.count - tokens,
+            tokens: chain.count() - tokens,
             blocks: out[before..].to_vec(),
             parent,
             pending,
