@@ -6,7 +6,7 @@
 
 use xxhash_rust::xxh64::Xxh64;
 
-use crate::request::{ParsedRequest, Prompt};
+use crate::request::{ParsedRequest, Prompt, RawChat};
 use crate::tokenizer::for_each_token_at;
 
 /// How prompts are cut into blocks.
@@ -309,6 +309,37 @@ pub fn hash_request_memo_into(
     out: &mut BlockHashes,
 ) {
     hash_request_into(request, config, Some(memo), out);
+}
+
+/// [`hash_request_memo_into`] for a chat body read in place ([`crate::request::read_chat`]):
+/// the same chain, marks and token count as for `parse_request` of the same body, but a
+/// message the memo holds is looked up by its bytes as they lie in the body and is never
+/// decoded (see `request/raw.rs` for what that saves).
+pub fn hash_chat_memo_into(
+    chat: &RawChat,
+    config: HashConfig,
+    memo: &mut ChainMemo,
+    out: &mut BlockHashes,
+) {
+    let seed = chain_seed(chat.model, chat.cache_salt.unwrap_or(""));
+    out.block_size = config.block_size.max(1);
+    out.tokens.clear();
+    out.chains.resize_with(1, Vec::new);
+    out.marks.resize_with(1, Vec::new);
+    let (blocks, marks) = (&mut out.chains[0], &mut out.marks[0]);
+    blocks.clear();
+    marks.clear();
+    let mut chain = Chainer::new(seed, config);
+    let mut scratch = Vec::new();
+    for (i, message) in chat.messages.iter().enumerate() {
+        // As `chain_text_memo`: a mark at every message's start but the first.
+        if i > 0 {
+            chain.mark(marks);
+        }
+        memo.chain_raw(message, &mut chain, blocks, &mut scratch);
+    }
+    let count = chain.finish(blocks);
+    out.tokens.push(count);
 }
 
 fn hash_request_with(

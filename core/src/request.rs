@@ -58,9 +58,22 @@ fn wrong(field: impl Into<String>, expected: &'static str) -> RequestError {
     }
 }
 
+/// What a chat message's header puts before and after its role in the prompt text:
+/// `<|role|>\n` (the content and a newline follow).
+pub(crate) const HEADER: [&str; 2] = ["<|", "|>\n"];
+
+pub(crate) fn push_header(text: &mut String, role: &str) {
+    text.push_str(HEADER[0]);
+    text.push_str(role);
+    text.push_str(HEADER[1]);
+}
+
+mod raw;
 #[cfg(test)]
 mod tree_walk;
 mod visit;
+
+pub use raw::{read_chat, JsonStr, RawChat, RawMessage};
 
 use serde::de::DeserializeSeed;
 use visit::{BodyFields, BodySeed, Chat, Scalar};
@@ -413,34 +426,17 @@ mod tests {
                 (ours, reference) => proptest::prop_assert_eq!(ours, reference),
             }
         }
-    }
-}
-#[cfg(test)]
-mod tmp_timing {
-    #[test]
-    fn tmp_time() {
-        let text: String = (0..16000)
-            .map(|i| format!("w{} ", i % 97))
-            .collect::<String>()
-            .replace("w5 ", "w5\n");
-        let body = serde_json::to_vec(&serde_json::json!({"model":"m","messages":[{"role":"system","content":text.clone()},{"role":"user","content":"hi"}],"temperature":0.5})).unwrap();
-        for _ in 0..3 {
-            let t = std::time::Instant::now();
-            for _ in 0..200 {
-                std::hint::black_box(super::parse_request(&body).unwrap());
+
+        #[test]
+        fn a_chat_read_in_place_is_one_parse_request_reads_the_same(body in body_strategy()) {
+            let bytes = serde_json::to_vec(&body).unwrap();
+            for body in [&bytes[..], &bytes[..bytes.len() / 2]] {
+                if let Some(chat) = read_chat(body) {
+                    let parsed = parse_request(body);
+                    proptest::prop_assert!(parsed.is_ok(), "read in place, refused by serde: {:?}", parsed);
+                    raw::tests::assert_same_request(&chat, &parsed.unwrap())?;
+                }
             }
-            let a = t.elapsed();
-            let t = std::time::Instant::now();
-            for _ in 0..200 {
-                std::hint::black_box(super::tree_walk::parse_request(&body).unwrap());
-            }
-            let b = t.elapsed();
-            eprintln!(
-                "TIMING body {} B: one-pass {:?}/req, tree {:?}/req",
-                body.len(),
-                a / 200,
-                b / 200
-            );
         }
     }
 }

@@ -88,8 +88,7 @@ pub fn fnv1a32(bytes: &[u8]) -> u32 {
 /// The one scanner: calls `emit` with each piece's byte range and token id, in order. Each
 /// byte is classified once and hashed as it is scanned (no piece slices, no second pass): this
 /// is the plugin's hottest loop, every prompt byte goes through it once per request.
-fn scan(text: &str, mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
-    let bytes = text.as_bytes();
+fn scan(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
     let n = bytes.len();
     let mut i = 0;
     while i < n {
@@ -124,19 +123,26 @@ fn scan(text: &str, mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
 /// tests; routing only needs their ids, see [`for_each_token`]).
 pub fn pieces(text: &str) -> Vec<&str> {
     let mut out = Vec::new();
-    scan(text, |range, _| out.push(&text[range]));
+    scan(text.as_bytes(), |range, _| out.push(&text[range]));
     out
 }
 
 /// Calls `emit` with each token id of `text`, in order: the FNV-1a of every piece of
 /// [`pieces`].
 pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
+    scan(text.as_bytes(), |_, id| emit(id));
+}
+
+/// [`for_each_token`] of UTF-8 text given as its bytes (text checked to be UTF-8 elsewhere,
+/// such as a JSON string read in place: the scanner reads bytes and skips every non-ASCII one,
+/// so it needs no second check).
+pub fn for_each_token_in_bytes(text: &[u8], mut emit: impl FnMut(u32)) {
     scan(text, |_, id| emit(id));
 }
 
 /// [`for_each_token`] with the byte offset where each token's piece starts.
 pub fn for_each_token_at(text: &str, mut emit: impl FnMut(usize, u32)) {
-    scan(text, |range, id| emit(range.start, id));
+    scan(text.as_bytes(), |range, id| emit(range.start, id));
 }
 
 /// Token ids of `text`, appended to `out` (so callers can reuse one buffer).

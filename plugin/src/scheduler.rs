@@ -6,8 +6,11 @@
 use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::feed::FeedPage;
-use prefixroute_core::hashing::{hash_request_memo_into, BlockHashes, ChainMemo, HashConfig};
+use prefixroute_core::hashing::{
+    hash_chat_memo_into, hash_request_memo_into, BlockHashes, ChainMemo, HashConfig,
+};
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
+use prefixroute_core::request::read_chat;
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
@@ -256,15 +259,25 @@ impl<H: SharedData> Scheduler<H> {
         if self.endpoints() == 0 {
             return self.fallback(FallbackReason::NoEndpoints, now_ms);
         }
-        let request = match parse_request(body) {
-            Ok(r) => r,
-            Err(_) => return self.fallback(FallbackReason::ParseError, now_ms),
-        };
         let before = self.memo.stats();
         // Taken out for this route and put back at its end (an early return only loses the
         // vectors' room).
         let mut hashes = std::mem::take(&mut self.hashes);
-        hash_request_memo_into(&request, self.hash, &mut self.memo, &mut hashes);
+        // A chat body of the common shape is read where it lies (its messages are decoded only
+        // if the memo does not hold them); any other body is parsed. Both give the same hashes.
+        if let Some(chat) = read_chat(body) {
+            hash_chat_memo_into(&chat, self.hash, &mut self.memo, &mut hashes);
+        } else {
+            match parse_request(body) {
+                Ok(request) => {
+                    hash_request_memo_into(&request, self.hash, &mut self.memo, &mut hashes)
+                }
+                Err(_) => {
+                    self.hashes = hashes;
+                    return self.fallback(FallbackReason::ParseError, now_ms);
+                }
+            }
+        }
         let after = self.memo.stats();
         if after != before {
             self.events.push(Event::HashMemo {

@@ -28,7 +28,11 @@ use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh64::xxh64;
 
 use super::Chainer;
-use crate::tokenizer::for_each_token;
+use crate::request::RawMessage;
+use crate::tokenizer::{for_each_token, for_each_token_in_bytes};
+
+/// Mixed into the seed of the keys of messages read in place (see [`ChainMemo::chain_raw`]).
+const RAW_KEYS: u64 = 0x7261_775f_6b65_7973;
 
 /// Messages shorter than this are hashed directly: a lookup would cost about what it saves.
 pub const MIN_MESSAGE_BYTES: usize = 256;
@@ -124,15 +128,71 @@ impl ChainMemo {
     }
 
     /// Continues `chain` with the tokens of `message`, appending the blocks it completes to
-    /// `out`: from memory when the message was met in the same state, else by hashing it (and
-    /// remembering it when it is long enough).
+    /// `out`: from memory when the message was met in the same state before, else by hashing it
+    /// (and remembering it when it is long enough).
     pub(super) fn chain(&mut self, message: &str, chain: &mut Chainer, out: &mut Vec<u64>) {
         if message.len() < MIN_MESSAGE_BYTES {
             for_each_token(message, |id| chain.push(id, out));
             return;
         }
         let key = xxh64(message.as_bytes(), chain.state_key());
-        if let Some(segment) = self.get(key, message.len()) {
+        self.chain_keyed(key, message.len(), chain, out, |chain, out| {
+            for_each_token(message, |id| chain.push(id, out))
+        });
+    }
+
+    /// [`ChainMemo::chain`] for a chat message read in place: keyed by its role and its
+    /// content's bytes as they are in the body, so a message the memo holds is never decoded;
+    /// `scratch` takes its text (`<|role|>\ncontent\n`, as `parse_request` flattens it) only
+    /// when it has to be tokenized.
+    pub(super) fn chain_raw(
+        &mut self,
+        message: &RawMessage,
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        scratch: &mut Vec<u8>,
+    ) {
+        let content = message.content.map_or(&[][..], |c| c.raw());
+        // The flattened message is at most this long (escapes only shorten it).
+        let bytes = message.role.len() + 5 + content.len() + 1;
+        let flatten = |scratch: &mut Vec<u8>| {
+            scratch.clear();
+            scratch.reserve(bytes);
+            let [open, close] = crate::request::HEADER;
+            scratch.extend_from_slice(open.as_bytes());
+            scratch.extend_from_slice(message.role.as_bytes());
+            scratch.extend_from_slice(close.as_bytes());
+            if let Some(c) = message.content {
+                c.decode_into(scratch);
+            }
+            scratch.push(b'\n');
+        };
+        if bytes < MIN_MESSAGE_BYTES {
+            flatten(scratch);
+            for_each_token_in_bytes(scratch, |id| chain.push(id, out));
+            return;
+        }
+        // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
+        // never key another's decoded text; the role's hash seeds the content's.
+        let role = xxh64(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
+        let key = xxh64(content, role);
+        self.chain_keyed(key, bytes, chain, out, |chain, out| {
+            flatten(scratch);
+            for_each_token_in_bytes(scratch, |id| chain.push(id, out));
+        });
+    }
+
+    /// The memo's lookup, admission and insertion for a message keyed `key` whose text is
+    /// `bytes` long; `tokenize` pushes its tokens into the chain when it is not held.
+    fn chain_keyed(
+        &mut self,
+        key: u64,
+        bytes: usize,
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        tokenize: impl FnOnce(&mut Chainer, &mut Vec<u64>),
+    ) {
+        if let Some(segment) = self.get(key, bytes) {
             // The partial block always fits (the key's seed holds the block size); checked
             // anyway, since this runs in the data plane: a mismatch hashes the message.
             if chain.resume((segment.parent, &segment.pending), segment.tokens) {
@@ -146,15 +206,15 @@ impl ChainMemo {
         if *slot != key {
             // Met for the first time: remember the key only.
             *slot = key;
-            for_each_token(message, |id| chain.push(id, out));
+            tokenize(chain, out);
             return;
         }
         *slot = 0;
         let (before, tokens) = (out.len(), chain.count());
-        for_each_token(message, |id| chain.push(id, out));
+        tokenize(chain, out);
         let (parent, pending) = chain.state();
         let segment = Segment {
-            bytes: message.len(),
+            bytes,
             tokens: chain.count() - tokens,
             blocks: out[before..].to_vec(),
             parent,

@@ -27,7 +27,7 @@ use serde::de::{
 };
 use serde_json::Value;
 
-use super::{wrong, Prompt, RequestError};
+use super::{push_header, wrong, Prompt, RequestError};
 
 /// A visitor's `visit_bool`/`visit_u64`/`visit_i64`/`visit_f64` (and with `str`, `visit_str`)
 /// answering as its `visit_unit` does: the scalars that are all the same wrong shape for it.
@@ -286,12 +286,6 @@ impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
-}
-
-fn push_header(text: &mut String, role: &str) {
-    text.push_str("<|");
-    text.push_str(role);
-    text.push_str("|>\n");
 }
 
 fn header(role: &str) -> String {

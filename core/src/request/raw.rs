@@ -1,0 +1,667 @@
+//! A chat body read where it lies: the routing fields, and each message's content as the bytes
+//! between its JSON string's quotes.
+//!
+//! [`parse_request`](super::parse_request) decodes every message into one prompt string:
+//! serde_json scans each string for its end, checks that it is UTF-8 and copies it, about 9
+//! wasm instructions per byte before the prompt is tokenized or looked up in the memo of
+//! messages hashed before. A warm request (every long message in that memo) needs none of it:
+//! only each message's extent, checked, and a key of its bytes. [`read_chat`] finds and checks
+//! the contents eight bytes at a time and keeps them as they are in the body; the hashing
+//! decodes a content only when the memo does not hold it (`hashing::hash_chat_memo_into`).
+//!
+//! It reads the common shape only and declines (`None`) everything else, for
+//! [`parse_request`](super::parse_request) to read as before: a body whose answer it is not
+//! sure to give exactly (a key or role with escapes, content as a list of parts, a repeated
+//! routing key, `prompt`, a number that is not a plain integer, deep nesting) or that is wrong
+//! (not JSON, a field of the wrong type). Whatever it accepts, `parse_request` accepts too and
+//! reads the same fields and text from (property-tested). So it is at least as strict as
+//! serde_json everywhere: a string with invalid UTF-8, a control character, a bad escape or a
+//! lone surrogate anywhere in the body is declined.
+
+use std::str;
+
+/// The bytes of a JSON string between its quotes, checked to decode: UTF-8, no control
+/// characters, only JSON's escapes, surrogates in pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JsonStr<'a> {
+    raw: &'a [u8],
+    escaped: bool,
+}
+
+impl<'a> JsonStr<'a> {
+    /// The string's bytes as they are in the body (escapes not decoded).
+    pub fn raw(&self) -> &'a [u8] {
+        self.raw
+    }
+
+    /// Appends the decoded string's UTF-8 bytes to `out`, as serde_json decodes it. The bytes
+    /// were checked when read, so they are not checked again here (at 2.5 wasm instructions
+    /// a byte, that check was a tenth of a cold prompt's cost).
+    pub fn decode_into(&self, out: &mut Vec<u8>) {
+        let mut rest = self.raw;
+        if !self.escaped {
+            out.extend_from_slice(rest);
+            return;
+        }
+        while let Some(at) = rest.iter().position(|&b| b == b'\\') {
+            out.extend_from_slice(&rest[..at]);
+            let escape = &rest[at + 1..];
+            let (ch, len) = match escape.first() {
+                Some(b'u') => {
+                    let unit = hex4(&escape[1..]).unwrap_or(0xFFFD);
+                    if (0xD800..0xDC00).contains(&unit) {
+                        let low = escape.get(5..7).filter(|e| e == b"\\u");
+                        let low = low.and_then(|_| hex4(&escape[7..])).unwrap_or(0xDC00);
+                        let c = 0x10000 + ((unit - 0xD800) << 10) + low.wrapping_sub(0xDC00);
+                        (char::from_u32(c).unwrap_or('\u{FFFD}'), 11)
+                    } else {
+                        (char::from_u32(unit).unwrap_or('\u{FFFD}'), 5)
+                    }
+                }
+                Some(&e) => (simple_escape(e).unwrap_or('\u{FFFD}'), 1),
+                None => break,
+            };
+            out.extend_from_slice(ch.encode_utf8(&mut [0; 4]).as_bytes());
+            rest = rest.get(at + 1 + len..).unwrap_or(&[]);
+        }
+        out.extend_from_slice(rest);
+    }
+}
+
+/// The character a one-letter escape stands for.
+fn simple_escape(e: u8) -> Option<char> {
+    Some(match e {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        _ => return None,
+    })
+}
+
+/// The value of four hex digits.
+fn hex4(bytes: &[u8]) -> Option<u32> {
+    let digits = bytes.get(..4)?;
+    digits.iter().try_fold(0u32, |acc, &d| {
+        let v = (d as char).to_digit(16)?;
+        Some(acc << 4 | v)
+    })
+}
+
+/// One chat message: its role and its content (`None`: absent or `null`, an empty content).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawMessage<'a> {
+    pub role: &'a str,
+    pub content: Option<JsonStr<'a>>,
+}
+
+/// The routing fields of a chat body, read in place (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawChat<'a> {
+    pub model: &'a str,
+    pub cache_salt: Option<&'a str>,
+    pub stream: bool,
+    pub max_tokens: Option<u32>,
+    pub messages: Vec<RawMessage<'a>>,
+}
+
+/// Nesting deeper than this is declined (serde_json refuses past 128).
+const MAX_DEPTH: usize = 64;
+
+/// Reads a chat body of the common shape, or `None` for [`parse_request`](super::parse_request)
+/// to read (see the module documentation).
+pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
+    let mut r = Reader { bytes: body, at: 0 };
+    r.skip_ws();
+    r.eat(b'{')?;
+    let mut model = None;
+    let mut cache_salt = None;
+    let mut stream = None;
+    let mut max_tokens = None;
+    let mut max_completion_tokens = None;
+    let mut messages: Option<Vec<RawMessage>> = None;
+    let mut first = true;
+    loop {
+        r.skip_ws();
+        if r.peek()? == b'}' && first {
+            r.at += 1;
+            break;
+        }
+        first = false;
+        let key = r.key()?;
+        r.skip_ws();
+        r.eat(b':')?;
+        r.skip_ws();
+        match key {
+            b"model" => once(&mut model, r.plain_str_or_null()?)?,
+            b"cache_salt" => once(&mut cache_salt, r.plain_str_or_null()?)?,
+            b"stream" => once(&mut stream, r.bool_or_null()?)?,
+            b"max_tokens" => once(&mut max_tokens, r.u32_or_null()?)?,
+            b"max_completion_tokens" => once(&mut max_completion_tokens, r.u32_or_null()?)?,
+            b"messages" => once(&mut messages, r.messages()?)?,
+            b"prompt" => return None,
+            _ => r.skip_value(0)?,
+        }
+        r.skip_ws();
+        match r.next()? {
+            b',' => continue,
+            b'}' => break,
+            _ => return None,
+        }
+    }
+    r.skip_ws();
+    if r.at != body.len() {
+        return None;
+    }
+    let messages = messages.filter(|m| !m.is_empty())?;
+    Some(RawChat {
+        model: model.flatten().unwrap_or(""),
+        cache_salt: cache_salt.flatten(),
+        stream: stream.flatten().unwrap_or(false),
+        // As parse_request: `max_completion_tokens` (even `null`) before `max_tokens`.
+        max_tokens: max_completion_tokens.or(max_tokens).flatten(),
+        messages,
+    })
+}
+
+/// Sets a field met for the first time; a repeated key is declined.
+fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
+    match slot {
+        Some(_) => None,
+        None => {
+            *slot = Some(value);
+            Some(())
+        }
+    }
+}
+
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGHS: u64 = 0x8080_8080_8080_8080;
+
+/// The bytes of `rest` before the first 8-byte word holding a byte that needs a look of its
+/// own inside a JSON string: `"`, `\`, a control character or a non-ASCII byte. One mask per
+/// word, no branch per byte (the classic "has a zero byte" test, `(x - 0x01…) & !x & 0x80…`,
+/// applied to the word itself for bytes under 0x20 and to its XOR with `"` and `\`).
+fn plain_prefix(rest: &[u8]) -> usize {
+    let mut plain = 0;
+    for chunk in rest.chunks_exact(8) {
+        let w = u64::from_le_bytes([
+            chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7],
+        ]);
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let backslash = w ^ (ONES * u64::from(b'\\'));
+        let look = (w.wrapping_sub(ONES * 0x20) & !w)
+            | w
+            | (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash);
+        if look & HIGHS != 0 {
+            break;
+        }
+        plain += 8;
+    }
+    plain
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.at).copied()
+    }
+
+    fn next(&mut self) -> Option<u8> {
+        let b = self.peek()?;
+        self.at += 1;
+        Some(b)
+    }
+
+    fn eat(&mut self, b: u8) -> Option<()> {
+        (self.next()? == b).then_some(())
+    }
+
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.at += 1;
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        let end = self.at + word.len();
+        (self.bytes.get(self.at..end)? == word).then(|| self.at = end)
+    }
+
+    /// A string from its opening quote: its checked contents.
+    fn string(&mut self) -> Option<JsonStr<'a>> {
+        self.eat(b'"')?;
+        let start = self.at;
+        let mut escaped = false;
+        loop {
+            self.at += plain_prefix(self.bytes.get(self.at..)?);
+            let b = self.next()?;
+            match b {
+                b'"' => {
+                    let raw = &self.bytes[start..self.at - 1];
+                    return Some(JsonStr { raw, escaped });
+                }
+                b'\\' => {
+                    escaped = true;
+                    self.escape()?;
+                }
+                0..=0x1f => return None,
+                0x80.. => {
+                    // One UTF-8 character, checked by the standard library.
+                    let len = match b {
+                        0xC2..=0xDF => 2,
+                        0xE0..=0xEF => 3,
+                        0xF0..=0xF4 => 4,
+                        _ => return None,
+                    };
+                    let char_bytes = self.bytes.get(self.at - 1..self.at - 1 + len)?;
+                    str::from_utf8(char_bytes).ok()?;
+                    self.at += len - 1;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// One escape after its backslash; surrogates only in pairs.
+    fn escape(&mut self) -> Option<()> {
+        match self.next()? {
+            b'u' => {
+                let unit = hex4(self.bytes.get(self.at..)?)?;
+                self.at += 4;
+                match unit {
+                    0xD800..=0xDBFF => {
+                        self.literal(b"\\u")?;
+                        let low = hex4(self.bytes.get(self.at..)?)?;
+                        self.at += 4;
+                        (0xDC00..=0xDFFF).contains(&low).then_some(())
+                    }
+                    0xDC00..=0xDFFF => None,
+                    _ => Some(()),
+                }
+            }
+            e => simple_escape(e).map(|_| ()),
+        }
+    }
+
+    /// A key: a string without escapes (an escaped key could spell a routing field).
+    fn key(&mut self) -> Option<&'a [u8]> {
+        let s = self.string()?;
+        (!s.escaped).then_some(s.raw)
+    }
+
+    /// A string without escapes, or `null` (`None`).
+    fn plain_str_or_null(&mut self) -> Option<Option<&'a str>> {
+        if self.peek()? == b'n' {
+            return self.literal(b"null").map(|()| None);
+        }
+        let s = self.string()?;
+        if s.escaped {
+            return None;
+        }
+        str::from_utf8(s.raw).ok().map(Some)
+    }
+
+    fn bool_or_null(&mut self) -> Option<Option<bool>> {
+        match self.peek()? {
+            b't' => self.literal(b"true").map(|()| Some(true)),
+            b'f' => self.literal(b"false").map(|()| Some(false)),
+            _ => self.literal(b"null").map(|()| None),
+        }
+    }
+
+    /// Digits only (no sign, fraction or exponent, no leading zero), within `u32`; or `null`.
+    fn u32_or_null(&mut self) -> Option<Option<u32>> {
+        if self.peek()? == b'n' {
+            return self.literal(b"null").map(|()| None);
+        }
+        let start = self.at;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.at += 1;
+        }
+        let digits = &self.bytes[start..self.at];
+        if digits.is_empty() || digits.len() > 10 || (digits[0] == b'0' && digits.len() > 1) {
+            return None;
+        }
+        if let Some(b'.' | b'e' | b'E') = self.peek() {
+            return None;
+        }
+        str::from_utf8(digits).ok()?.parse().ok().map(Some)
+    }
+
+    /// `messages`: a non-empty array of message objects.
+    fn messages(&mut self) -> Option<Vec<RawMessage<'a>>> {
+        self.eat(b'[')?;
+        let mut messages = Vec::new();
+        loop {
+            self.skip_ws();
+            messages.push(self.message()?);
+            self.skip_ws();
+            match self.next()? {
+                b',' => continue,
+                b']' => return Some(messages),
+                _ => return None,
+            }
+        }
+    }
+
+    /// One message: a string `role` (no escapes), `content` a string or `null`.
+    fn message(&mut self) -> Option<RawMessage<'a>> {
+        self.eat(b'{')?;
+        let mut role: Option<&'a str> = None;
+        let mut content: Option<Option<JsonStr<'a>>> = None;
+        self.skip_ws();
+        if self.peek()? == b'}' {
+            return None;
+        }
+        loop {
+            self.skip_ws();
+            let key = self.key()?;
+            self.skip_ws();
+            self.eat(b':')?;
+            self.skip_ws();
+            match key {
+                b"role" => once(&mut role, self.plain_str_or_null()??)?,
+                b"content" => {
+                    let value = match self.peek()? {
+                        b'"' => Some(self.string()?),
+                        _ => self.literal(b"null").map(|()| None)?,
+                    };
+                    once(&mut content, value)?;
+                }
+                _ => self.skip_value(2)?,
+            }
+            self.skip_ws();
+            match self.next()? {
+                b',' => continue,
+                b'}' => break,
+                _ => return None,
+            }
+        }
+        Some(RawMessage {
+            role: role?,
+            content: content.flatten(),
+        })
+    }
+
+    /// Any JSON value, checked as strictly as the rest and thrown away.
+    fn skip_value(&mut self, depth: usize) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        match self.peek()? {
+            b'"' => self.string().map(|_| ()),
+            b'{' => self.skip_members(b'}', depth, true),
+            b'[' => self.skip_members(b']', depth, false),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            b'-' | b'0'..=b'9' => self.skip_number(),
+            _ => None,
+        }
+    }
+
+    fn skip_members(&mut self, close: u8, depth: usize, keyed: bool) -> Option<()> {
+        self.at += 1;
+        self.skip_ws();
+        if self.peek()? == close {
+            self.at += 1;
+            return Some(());
+        }
+        loop {
+            self.skip_ws();
+            if keyed {
+                self.string()?;
+                self.skip_ws();
+                self.eat(b':')?;
+                self.skip_ws();
+            }
+            self.skip_value(depth + 1)?;
+            self.skip_ws();
+            match self.next()? {
+                b',' => continue,
+                b if b == close => return Some(()),
+                _ => return None,
+            }
+        }
+    }
+
+    /// JSON's number grammar: `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
+    fn skip_number(&mut self) -> Option<()> {
+        if self.peek() == Some(b'-') {
+            self.at += 1;
+        }
+        match self.next()? {
+            b'0' => {}
+            b'1'..=b'9' => {
+                self.skip_digits(0);
+            }
+            _ => return None,
+        }
+        if self.peek() == Some(b'.') {
+            self.at += 1;
+            self.skip_digits(1)?;
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.at += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.at += 1;
+            }
+            self.skip_digits(1)?;
+        }
+        Some(())
+    }
+
+    /// At least `min` digits.
+    fn skip_digits(&mut self, min: usize) -> Option<()> {
+        let start = self.at;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.at += 1;
+        }
+        (self.at - start >= min).then_some(())
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::hashing::{hash_chat_memo_into, hash_request, BlockHashes, ChainMemo, HashConfig};
+    use crate::request::{parse_request, ParsedRequest, Prompt};
+    use proptest::prelude::*;
+
+    /// `chat` and `parsed` are the same request: fields, and hashes at a few block sizes.
+    pub(in crate::request) fn assert_same_request(
+        chat: &RawChat,
+        parsed: &ParsedRequest,
+    ) -> Result<(), TestCaseError> {
+        prop_assert_eq!(chat.model, parsed.model.as_str());
+        prop_assert_eq!(chat.cache_salt, parsed.cache_salt.as_deref());
+        prop_assert_eq!(chat.stream, parsed.stream);
+        prop_assert_eq!(chat.max_tokens, parsed.max_tokens);
+        for block_size in [1, 3, 16] {
+            let config = HashConfig {
+                block_size,
+                include_partial: true,
+            };
+            let mut raw = BlockHashes::default();
+            hash_chat_memo_into(chat, config, &mut ChainMemo::default(), &mut raw);
+            prop_assert_eq!(&raw, &hash_request(parsed, config));
+        }
+        Ok(())
+    }
+
+    /// Pieces of a JSON string's contents as a client may write them: plain words, JSON's
+    /// escapes, \u escapes (a surrogate pair among them) and raw UTF-8.
+    fn fragment() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "word ",
+            "two words ",
+            "x",
+            "  ",
+            r"\n",
+            r"\t",
+            r#"\""#,
+            r"\\",
+            r"\/",
+            r"\b",
+            r"\f",
+            r"\r",
+            r"\u00e9",
+            r"\u0041",
+            r"\u2028",
+            r"\ud83d\ude00",
+            "é",
+            "日本語",
+            "snake_case ",
+            "{json: [1, 2]}",
+            "<|user|>",
+        ])
+    }
+
+    /// A JSON string's contents, long enough (with `long`) for the memo to keep.
+    fn contents(long: bool) -> impl Strategy<Value = String> {
+        let n = if long { 60..200 } else { 0..8 };
+        prop::collection::vec(fragment(), n).prop_map(|f| f.concat())
+    }
+
+    fn body(system: &str, user: &str, extra: &str) -> String {
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{user}","name":"u"}}]{extra}}}"#
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn escaped_and_unicode_contents_hash_as_parse_request_decodes_them(
+            system in contents(true),
+            user in contents(false),
+            extra in prop::sample::select(vec![
+                "", r#","stream":true"#, r#","max_tokens":0"#, r#","cache_salt":"t1""#,
+                r#","tools":[{"a":{"b":[true,null,-1.5e3]}}],"temperature":0.7"#,
+                r#","max_completion_tokens":null,"max_tokens":9"#,
+            ]),
+        ) {
+            let body = body(&system, &user, extra);
+            let chat = read_chat(body.as_bytes());
+            prop_assert!(chat.is_some(), "declined: {}", body);
+            assert_same_request(&chat.unwrap(), &parse_request(body.as_bytes()).unwrap())?;
+        }
+
+        #[test]
+        fn a_memo_shared_by_both_readings_keeps_every_answer_exact(
+            systems in prop::collection::vec(contents(true), 1..4),
+            picks in prop::collection::vec((0usize..4, any::<bool>(), 0usize..3), 1..12),
+        ) {
+            // Requests repeat system prompts (memo hits), some read in place and some through
+            // parse_request, into one memo, as a plugin worker's are.
+            let mut memo = ChainMemo::default();
+            let config = HashConfig::default();
+            for (k, in_place, user) in picks {
+                let body = body(&systems[k % systems.len()], &"question ".repeat(user), "");
+                let parsed = parse_request(body.as_bytes()).unwrap();
+                let mut got = BlockHashes::default();
+                if in_place {
+                    let chat = read_chat(body.as_bytes()).unwrap();
+                    hash_chat_memo_into(&chat, config, &mut memo, &mut got);
+                } else {
+                    crate::hashing::hash_request_memo_into(&parsed, config, &mut memo, &mut got);
+                }
+                prop_assert_eq!(got, hash_request(&parsed, config));
+            }
+        }
+    }
+
+    #[test]
+    fn messages_of_one_length_and_role_are_told_apart_by_their_bytes() {
+        // Same role, same length, one letter apart (and one written with an escape): the
+        // memo's key must cover the content, not only its length.
+        let long = "word ".repeat(80);
+        let systems = [
+            format!("{long}alpha"),
+            format!("{long}alphb"),
+            format!(r"{long}alpha"),
+        ];
+        let mut memo = ChainMemo::default();
+        let config = HashConfig::default();
+        for _ in 0..3 {
+            for system in &systems {
+                let body = body(system, "q", "");
+                let mut got = BlockHashes::default();
+                hash_chat_memo_into(
+                    &read_chat(body.as_bytes()).unwrap(),
+                    config,
+                    &mut memo,
+                    &mut got,
+                );
+                let parsed = parse_request(body.as_bytes()).unwrap();
+                assert_eq!(got, hash_request(&parsed, config), "{system}");
+            }
+        }
+        assert!(memo.stats().hits >= 3, "{:?}", memo.stats());
+    }
+
+    #[test]
+    fn bodies_serde_json_refuses_are_declined() {
+        for body in [
+            &br#"{"messages":[{"role":"user","content":"a"}]"#[..], // cut short
+            br#"{"messages":[{"role":"user","content":"a"}]} x"#,   // trailing bytes
+            br#"{"messages":[{"role":"user","content":"\ud800"}]}"#, // lone surrogate
+            br#"{"messages":[{"role":"user","content":"\udc00 x"}]}"#,
+            br#"{"messages":[{"role":"user","content":"\x"}]}"#, // unknown escape
+            b"{\"messages\":[{\"role\":\"user\",\"content\":\"a\x01\"}]}", // control byte
+            b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\"}]}", // not UTF-8
+            b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xc3\"}]}", // cut character
+            br#"{"messages":[{"role":"user","content":"a"}],"t":01}"#, // leading zero
+            br#"{"messages":[{"role":"user","content":"a"}],"t":1.}"#,
+            br#"{"messages":[{"role":"user","content":"a"}],"t":[1,]}"#,
+            br#"{"messages":[{"role":"user","content":"a"},]}"#,
+        ] {
+            assert!(
+                parse_request(body).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert_eq!(read_chat(body), None, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn shapes_it_is_not_sure_of_are_left_to_parse_request() {
+        for body in [
+            &br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}"#[..],
+            br#"{"messages":[{"role":"us\u0065r","content":"a"}]}"#, // escaped role
+            br#"{"m\u006fdel":"x","messages":[{"role":"user","content":"a"}]}"#, // escaped key
+            br#"{"model":"a","model":"b","messages":[{"role":"user","content":"a"}]}"#,
+            br#"{"prompt":"a"}"#,
+            br#"{"messages":[]}"#,
+            br#"{"messages":[{"content":"a"}]}"#, // no role: an error for parse_request
+            br#"{"max_tokens":1.0,"messages":[{"role":"user","content":"a"}]}"#,
+            br#"{"max_tokens":4294967296,"messages":[{"role":"user","content":"a"}]}"#,
+        ] {
+            assert_eq!(read_chat(body), None, "{}", String::from_utf8_lossy(body));
+        }
+        // The common shape is read, with what parse_request reads from it.
+        let body = br#" {"model":"m","stream":false,"messages":[{"role":"system","content":null},{"content":"hi\n","role":"user"}],"max_tokens":7} "#;
+        let chat = read_chat(body).expect("the common shape");
+        assert_eq!(chat.messages.len(), 2);
+        assert_eq!(chat.max_tokens, Some(7));
+        let Prompt::Text(text) = &parse_request(body).unwrap().prompts[0] else {
+            panic!("chat is text")
+        };
+        let mut decoded = Vec::new();
+        chat.messages[1].content.unwrap().decode_into(&mut decoded);
+        assert_eq!(decoded, b"hi\n");
+        assert_eq!(text, "<|system|>\n\n<|user|>\nhi\n\n");
+    }
+}
