@@ -117,42 +117,22 @@ const MAX_DEPTH: usize = 64;
 pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
     let mut r = Reader { bytes: body, at: 0 };
     r.skip_ws();
-    r.eat(b'{')?;
     let mut model = None;
     let mut cache_salt = None;
     let mut stream = None;
     let mut max_tokens = None;
     let mut max_completion_tokens = None;
     let mut messages: Option<Vec<RawMessage>> = None;
-    let mut first = true;
-    loop {
-        r.skip_ws();
-        if r.peek()? == b'}' && first {
-            r.at += 1;
-            break;
-        }
-        first = false;
-        let key = r.key()?;
-        r.skip_ws();
-        r.eat(b':')?;
-        r.skip_ws();
-        match key {
-            b"model" => once(&mut model, r.plain_str_or_null()?)?,
-            b"cache_salt" => once(&mut cache_salt, r.plain_str_or_null()?)?,
-            b"stream" => once(&mut stream, r.bool_or_null()?)?,
-            b"max_tokens" => once(&mut max_tokens, r.u32_or_null()?)?,
-            b"max_completion_tokens" => once(&mut max_completion_tokens, r.u32_or_null()?)?,
-            b"messages" => once(&mut messages, r.messages()?)?,
-            b"prompt" => return None,
-            _ => r.skip_value(0)?,
-        }
-        r.skip_ws();
-        match r.next()? {
-            b',' => continue,
-            b'}' => break,
-            _ => return None,
-        }
-    }
+    r.object(|r, key| match key {
+        b"model" => once(&mut model, r.plain_str_or_null()?),
+        b"cache_salt" => once(&mut cache_salt, r.plain_str_or_null()?),
+        b"stream" => once(&mut stream, r.bool_or_null()?),
+        b"max_tokens" => once(&mut max_tokens, r.u32_or_null()?),
+        b"max_completion_tokens" => once(&mut max_completion_tokens, r.u32_or_null()?),
+        b"messages" => once(&mut messages, r.messages()?),
+        b"prompt" => None,
+        _ => r.skip_value(1),
+    })?;
     r.skip_ws();
     if r.at != body.len() {
         return None;
@@ -293,12 +273,6 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A key: a string without escapes (an escaped key could spell a routing field).
-    fn key(&mut self) -> Option<&'a [u8]> {
-        let s = self.string()?;
-        (!s.escaped).then_some(s.raw)
-    }
-
     /// A string without escapes, or `null` (`None`).
     fn plain_str_or_null(&mut self) -> Option<Option<&'a str>> {
         if self.peek()? == b'n' {
@@ -338,59 +312,83 @@ impl<'a> Reader<'a> {
         str::from_utf8(digits).ok()?.parse().ok().map(Some)
     }
 
-    /// `messages`: a non-empty array of message objects.
+    /// `messages`: an array of message objects.
     fn messages(&mut self) -> Option<Vec<RawMessage<'a>>> {
-        self.eat(b'[')?;
         let mut messages = Vec::new();
+        self.array(|r| {
+            messages.push(r.message()?);
+            Some(())
+        })?;
+        Some(messages)
+    }
+
+    /// One message: a string `role` (no escapes), `content` a string or `null`.
+    fn message(&mut self) -> Option<RawMessage<'a>> {
+        let mut role: Option<&'a str> = None;
+        let mut content: Option<Option<JsonStr<'a>>> = None;
+        self.object(|r, key| match key {
+            b"role" => once(&mut role, r.plain_str_or_null()??),
+            b"content" => {
+                let value = match r.peek()? {
+                    b'"' => Some(r.string()?),
+                    _ => r.literal(b"null").map(|()| None)?,
+                };
+                once(&mut content, value)
+            }
+            _ => r.skip_value(2),
+        })?;
+        Some(RawMessage {
+            role: role?,
+            content: content.flatten(),
+        })
+    }
+
+    /// An object from its `{`: `member` reads each value after its key (keys with escapes
+    /// are declined: one could spell a routing field).
+    fn object(&mut self, mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>) -> Option<()> {
+        self.eat(b'{')?;
+        self.skip_ws();
+        if self.peek()? == b'}' {
+            self.at += 1;
+            return Some(());
+        }
         loop {
             self.skip_ws();
-            messages.push(self.message()?);
+            let key = self.string()?;
+            if key.escaped {
+                return None;
+            }
+            self.skip_ws();
+            self.eat(b':')?;
+            self.skip_ws();
+            member(self, key.raw)?;
             self.skip_ws();
             match self.next()? {
                 b',' => continue,
-                b']' => return Some(messages),
+                b'}' => return Some(()),
                 _ => return None,
             }
         }
     }
 
-    /// One message: a string `role` (no escapes), `content` a string or `null`.
-    fn message(&mut self) -> Option<RawMessage<'a>> {
-        self.eat(b'{')?;
-        let mut role: Option<&'a str> = None;
-        let mut content: Option<Option<JsonStr<'a>>> = None;
+    /// An array from its `[`: `element` reads each element.
+    fn array(&mut self, mut element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.eat(b'[')?;
         self.skip_ws();
-        if self.peek()? == b'}' {
-            return None;
+        if self.peek()? == b']' {
+            self.at += 1;
+            return Some(());
         }
         loop {
             self.skip_ws();
-            let key = self.key()?;
-            self.skip_ws();
-            self.eat(b':')?;
-            self.skip_ws();
-            match key {
-                b"role" => once(&mut role, self.plain_str_or_null()??)?,
-                b"content" => {
-                    let value = match self.peek()? {
-                        b'"' => Some(self.string()?),
-                        _ => self.literal(b"null").map(|()| None)?,
-                    };
-                    once(&mut content, value)?;
-                }
-                _ => self.skip_value(2)?,
-            }
+            element(self)?;
             self.skip_ws();
             match self.next()? {
                 b',' => continue,
-                b'}' => break,
+                b']' => return Some(()),
                 _ => return None,
             }
         }
-        Some(RawMessage {
-            role: role?,
-            content: content.flatten(),
-        })
     }
 
     /// Any JSON value, checked as strictly as the rest and thrown away.
@@ -400,38 +398,13 @@ impl<'a> Reader<'a> {
         }
         match self.peek()? {
             b'"' => self.string().map(|_| ()),
-            b'{' => self.skip_members(b'}', depth, true),
-            b'[' => self.skip_members(b']', depth, false),
+            b'{' => self.object(|r, _| r.skip_value(depth + 1)),
+            b'[' => self.array(|r| r.skip_value(depth + 1)),
             b't' => self.literal(b"true"),
             b'f' => self.literal(b"false"),
             b'n' => self.literal(b"null"),
             b'-' | b'0'..=b'9' => self.skip_number(),
             _ => None,
-        }
-    }
-
-    fn skip_members(&mut self, close: u8, depth: usize, keyed: bool) -> Option<()> {
-        self.at += 1;
-        self.skip_ws();
-        if self.peek()? == close {
-            self.at += 1;
-            return Some(());
-        }
-        loop {
-            self.skip_ws();
-            if keyed {
-                self.string()?;
-                self.skip_ws();
-                self.eat(b':')?;
-                self.skip_ws();
-            }
-            self.skip_value(depth + 1)?;
-            self.skip_ws();
-            match self.next()? {
-                b',' => continue,
-                b if b == close => return Some(()),
-                _ => return None,
-            }
         }
     }
 
