@@ -555,6 +555,27 @@ pub(super) mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn a_body_with_one_byte_changed_is_declined_or_read_as_serde_reads_it(
+            system in contents(false),
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+        ) {
+            let mut body = body(&system, "q", r#","tools":[{"a":[1.5e3,null]}],"stream":true"#)
+                .into_bytes();
+            let i = at.index(body.len());
+            body[i] = byte;
+            if let Some(chat) = read_chat(&body) {
+                let parsed = parse_request(&body);
+                prop_assert!(parsed.is_ok(), "read in place, refused by serde: {:?}", parsed);
+                assert_same_request(&chat, &parsed.unwrap())?;
+            }
+        }
+    }
+
     #[test]
     fn messages_of_one_length_and_role_are_told_apart_by_their_bytes() {
         // Same role, same length, one letter apart (and one written with an escape): the
