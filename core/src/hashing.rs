@@ -95,6 +95,17 @@ pub struct BlockHashes {
 }
 
 impl BlockHashes {
+    /// Empties `prompts` chains and their marks for a new request, keeping the vectors' room
+    /// (a proxy hashes one request after another).
+    fn reset(&mut self, prompts: usize, block_size: usize) {
+        self.block_size = block_size;
+        self.tokens.clear();
+        self.chains.resize_with(prompts, Vec::new);
+        self.marks.resize_with(prompts, Vec::new);
+        self.chains.iter_mut().for_each(Vec::clear);
+        self.marks.iter_mut().for_each(Vec::clear);
+    }
+
     pub fn total_blocks(&self) -> usize {
         self.chains.iter().map(Vec::len).sum()
     }
@@ -322,15 +333,11 @@ pub fn hash_chat_memo_into(
     out: &mut BlockHashes,
 ) {
     let seed = chain_seed(chat.model, chat.cache_salt.unwrap_or(""));
-    out.block_size = config.block_size.max(1);
-    out.tokens.clear();
-    out.chains.resize_with(1, Vec::new);
-    out.marks.resize_with(1, Vec::new);
+    out.reset(1, config.block_size.max(1));
     let (blocks, marks) = (&mut out.chains[0], &mut out.marks[0]);
-    blocks.clear();
-    marks.clear();
     let mut chain = Chainer::new(seed, config);
-    let mut scratch = Vec::new();
+    // Taken out of the memo while it is borrowed for the lookups, and put back.
+    let mut scratch = std::mem::take(&mut memo.scratch);
     for (i, message) in chat.messages.iter().enumerate() {
         // As `chain_text_memo`: a mark at every message's start but the first.
         if i > 0 {
@@ -338,6 +345,7 @@ pub fn hash_chat_memo_into(
         }
         memo.chain_raw(message, &mut chain, blocks, &mut scratch);
     }
+    memo.scratch = scratch;
     let count = chain.finish(blocks);
     out.tokens.push(count);
 }
@@ -360,15 +368,9 @@ fn hash_request_into(
 ) {
     let seed = chain_seed(&request.model, request.cache_salt.as_deref().unwrap_or(""));
     let block_size = config.block_size.max(1);
-    let prompts = request.prompts.len();
-    out.block_size = block_size;
-    out.tokens.clear();
-    out.chains.resize_with(prompts, Vec::new);
-    out.marks.resize_with(prompts, Vec::new);
+    out.reset(request.prompts.len(), block_size);
     for (i, prompt) in request.prompts.iter().enumerate() {
         let (chain, marks) = (&mut out.chains[i], &mut out.marks[i]);
-        chain.clear();
-        marks.clear();
         let count = match prompt {
             Prompt::Text(text) => {
                 // About 4 bytes per token in English text.

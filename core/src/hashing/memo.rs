@@ -92,6 +92,9 @@ pub struct ChainMemo {
     /// Keys met once and not remembered yet, each in the slot its low bits name.
     seen: Vec<u64>,
     stats: MemoStats,
+    /// Room for a chat message read in place, flattened to be tokenized (see
+    /// [`ChainMemo::chain_raw`]): kept here so that a request allocates none.
+    pub(super) scratch: Vec<u8>,
 }
 
 impl Default for ChainMemo {
@@ -111,6 +114,7 @@ impl ChainMemo {
             // Made here, not on a request's path (32 KB to zero).
             seen: vec![0; MAX_SEEN],
             stats: MemoStats::default(),
+            scratch: Vec::new(),
         }
     }
 
@@ -153,12 +157,12 @@ impl ChainMemo {
         scratch: &mut Vec<u8>,
     ) {
         let content = message.content.map_or(&[][..], |c| c.raw());
+        let [open, close] = crate::request::HEADER;
         // The flattened message is at most this long (escapes only shorten it).
-        let bytes = message.role.len() + 5 + content.len() + 1;
+        let bytes = open.len() + message.role.len() + close.len() + content.len() + 1;
         let flatten = |scratch: &mut Vec<u8>| {
             scratch.clear();
             scratch.reserve(bytes);
-            let [open, close] = crate::request::HEADER;
             scratch.extend_from_slice(open.as_bytes());
             scratch.extend_from_slice(message.role.as_bytes());
             scratch.extend_from_slice(close.as_bytes());

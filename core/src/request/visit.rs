@@ -27,7 +27,7 @@ use serde::de::{
 };
 use serde_json::Value;
 
-use super::{push_header, wrong, Prompt, RequestError};
+use super::{push_header, wrong, Prompt, RequestError, HEADER};
 
 /// A visitor's `visit_bool`/`visit_u64`/`visit_i64`/`visit_f64` (and with `str`, `visit_str`)
 /// answering as its `visit_unit` does: the scalars that are all the same wrong shape for it.
@@ -289,7 +289,7 @@ impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
 }
 
 fn header(role: &str) -> String {
-    let mut h = String::with_capacity(role.len() + 5);
+    let mut h = String::with_capacity(HEADER[0].len() + role.len() + HEADER[1].len());
     push_header(&mut h, role);
     h
 }
@@ -337,9 +337,10 @@ impl<'de> Visitor<'de> for MessageSeed<'_> {
         }
         match written {
             Some(w) if w == role => {}
-            Some(w) => chat
-                .text
-                .replace_range(start..start + w.len() + 5, &header(&role)),
+            Some(w) => chat.text.replace_range(
+                start..start + HEADER[0].len() + w.len() + HEADER[1].len(),
+                &header(&role),
+            ),
             None => chat.text.insert_str(start, &header(&role)),
         }
         chat.text.push('\n');
