@@ -850,9 +850,10 @@ impl Prediction {
         self
     }
 
-    /// The same prediction priced with caution: its cost adds the wait it would have if the
-    /// endpoint ran only `fewest_lanes` lanes (the fewest the first bytes have not ruled out)
-    /// beyond the wait predicted with the learned lanes.
+    /// The same prediction priced with caution: its cost adds, beyond the predicted wait, the
+    /// work already on the endpoint spread over `fewest_lanes` lanes (the fewest the first
+    /// bytes have not ruled out): the wait a request would have if that work shared the lanes
+    /// evenly, as one compute-bound prefill batch does.
     ///
     /// For a request no endpoint holds any of. The lane fit believes the most lanes it cannot
     /// rule out ([`PlausibleLanes::most`]) because stacking requests where their prefix is errs
@@ -860,13 +861,23 @@ impl Prediction {
     /// anywhere gains no locality by stacking, and a burst of them (a replica went away and its
     /// groups look for homes; a batch of new conversations) is placed before any first byte
     /// comes back: each sees no wait behind the others' prefills and all go where the
-    /// learned cost per token is a few percent lower, until the real lanes run out. Priced
-    /// with caution they spread by the prefill work in flight, as far as the evidence allows:
-    /// once requests were seen to run `k` at a time, stacking up to `k` costs nothing.
+    /// learned cost per token is a few percent lower, until the real lanes run out.
+    ///
+    /// Why the work spread over the lanes and not the wait for a lane: a lane that is free now
+    /// is not free for the whole prefill. Stacked cold prefills take an endpoint's lanes for
+    /// their whole length, and the requests of the groups living there that arrive meanwhile
+    /// find them taken (measured in docs/benchmarks.md: after a scale-in at 1 ms/token, four
+    /// displaced tenants' 770 ms prefills went to one replica whose fewest plausible lanes
+    /// were 4, each seeing a free lane; its own tenants' requests then waited up to 340 ms,
+    /// and it ended up holding more system prompts than its cache). Spread over the lanes, each cold
+    /// prefill in flight prices the next one a share of its length, so a burst spreads by the
+    /// prefill work in flight: a share of a prefill, not the few percent the learned rates
+    /// differ by.
     pub fn with_caution(mut self, fewest_lanes: u32) -> Prediction {
         let fewest = fewest_lanes.clamp(1, self.lanes.max(1));
-        let wait = self.backlog.queue(fewest, self.hold_ms);
-        let waited = wait.tokens * self.ms_per_token + wait.hold_ms;
+        let waited = self
+            .backlog
+            .spread_ms(fewest, self.ms_per_token, self.hold_ms);
         let caution = waited - self.queue_ms;
         let caution = if caution.is_finite() {
             caution.max(0.0)
@@ -1131,6 +1142,15 @@ impl Backlog {
             tokens: share * self.pending_tokens,
             hold_ms: share * hold,
         }
+    }
+
+    /// The work the holders have left, prefill and decode (as [`Self::queue`] counts them),
+    /// spread evenly over `lanes` lanes: a fluid queue's wait. Never below the wait for a lane
+    /// of [`Self::queue`] (which waits for a share of it only once every lane is taken).
+    pub fn spread_ms(&self, lanes: u32, ms_per_token: f64, hold_ms: f64) -> f64 {
+        let work = self.pending_tokens * ms_per_token
+            + hold_ms.max(0.0) * (self.prefilling + 0.5 * self.decoding);
+        work / f64::from(lanes.max(1))
     }
 }
 
@@ -2124,7 +2144,7 @@ mod tests {
     }
 
     #[test]
-    fn caution_prices_the_wait_under_the_fewest_lanes_beyond_the_predicted_one() {
+    fn caution_prices_the_work_in_flight_spread_over_the_fewest_lanes() {
         let h = hashes(100, 16);
         // Two prefills of 600 tokens in flight; 256 lanes believed: no wait predicted.
         let inputs = LatencyInputs {
@@ -2142,17 +2162,51 @@ mod tests {
             one.ttft_ms, p.ttft_ms,
             "the prediction is not changed, only its price"
         );
-        // Applied again, it replaces itself; three lanes leave one free: no caution.
-        assert_eq!(one.with_caution(3).cost_ms, p.cost_ms);
-        assert_eq!(p.with_caution(256).caution_ms, 0.0);
+        // Three lanes leave one free now, but not for the whole prefill: a third of the work.
+        // Applied again, it replaces itself.
+        assert_eq!(one.with_caution(3).caution_ms, 400.0);
+        assert_eq!(one.with_caution(3).cost_ms, p.cost_ms + 400.0);
+        assert_eq!(p.with_caution(256).caution_ms, 1200.0 / 256.0);
+        // Nothing in flight: nothing to spread.
+        let idle = LatencyInputs {
+            ms_per_token: Some(1.0),
+            lanes: Some(256),
+            ..LatencyInputs::default()
+        };
+        let i = at(&h, 0, CacheRoom::default(), &idle, &config());
+        assert_eq!(i.with_caution(1).caution_ms, 0.0);
         // Never below the predicted wait: fewest lanes above the learned ones change nothing.
         let one_lane = LatencyInputs {
             lanes: Some(1),
             ..inputs
         };
         let q = at(&h, 0, CacheRoom::default(), &one_lane, &config());
+        assert_eq!(q.queue_ms, 1200.0);
         assert_eq!(q.with_caution(4).caution_ms, 0.0);
         assert_eq!(q.with_caution(0).caution_ms, 0.0);
+    }
+
+    #[test]
+    fn the_spread_work_is_never_less_than_the_wait_for_a_lane() {
+        for holders in 0..12u32 {
+            for decoding in 0..=holders {
+                let backlog = Backlog {
+                    holders: f64::from(holders),
+                    pending_tokens: 300.0 * f64::from(holders - decoding),
+                    prefilling: f64::from(holders - decoding),
+                    decoding: f64::from(decoding),
+                };
+                for lanes in [1, 2, 3, 4, 8, 256] {
+                    let wait = backlog.queue(lanes, 40.0);
+                    let waited = wait.tokens * 0.5 + wait.hold_ms;
+                    let spread = backlog.spread_ms(lanes, 0.5, 40.0);
+                    assert!(
+                        spread >= waited - 1e-9,
+                        "{backlog:?} lanes {lanes}: {spread} < {waited}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

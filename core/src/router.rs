@@ -1430,7 +1430,7 @@ mod tests {
     }
 
     #[test]
-    fn a_request_no_endpoint_holds_is_priced_with_the_fewest_lanes_not_ruled_out() {
+    fn a_request_no_endpoint_holds_is_priced_with_the_work_in_flight_over_the_fewest_lanes() {
         let words = |tag: &str| -> String { (0..120).map(|i| format!("{tag}{i} ")).collect() };
         // Endpoint 0 is 10% cheaper per token; 256 lanes are believed everywhere.
         let loads = |in_flight_at_0: u32, fewest: Option<u32>| -> Vec<EndpointLoad> {
@@ -1467,12 +1467,23 @@ mod tests {
         let names: Vec<String> = (0..3).map(|e| format!("e{e}")).collect();
         let lines = d.endpoint_lines(&names);
         assert!(lines[0].contains("caution 720 ms, cost"), "{lines:?}");
-        // Once two were seen to run at once, one in flight costs nothing; nor without a fit.
-        for fewest in [Some(2), None] {
-            let d = r.pick(&new, &loads(1, fewest)).unwrap();
-            assert_eq!(d.endpoint, 0, "fewest lanes {fewest:?}");
-            assert_eq!(d.scores[0].prediction.unwrap().caution_ms, 0.0);
-        }
+        // Once two were seen to run at once, a lane is free, but not for the whole prefill:
+        // half of the work in flight is priced, still more than the cheaper rate saves.
+        let d = r.pick(&new, &loads(1, Some(2))).unwrap();
+        assert_ne!(d.endpoint, 0);
+        let at_0 = d.scores[0].prediction.unwrap();
+        assert!(
+            (at_0.caution_ms - 800.0 * 0.9 / 2.0).abs() < 1e-6,
+            "{at_0:?}"
+        );
+        // With many lanes plausible the share is small and the cheaper rate wins; without a
+        // fit there is no caution at all.
+        let d = r.pick(&new, &loads(1, Some(256))).unwrap();
+        assert_eq!(d.endpoint, 0);
+        assert!((d.scores[0].prediction.unwrap().caution_ms - 800.0 * 0.9 / 256.0).abs() < 1e-6);
+        let d = r.pick(&new, &loads(1, None)).unwrap();
+        assert_eq!(d.endpoint, 0);
+        assert_eq!(d.scores[0].prediction.unwrap().caution_ms, 0.0);
         // A request whose prefix 0 holds stays there: stacking it keeps its locality.
         let continued = hashes(&format!("{} more words here", words("p")));
         let d = r.pick(&continued, &loads(1, Some(1))).unwrap();
