@@ -1151,8 +1151,12 @@ def versions(env):
     }
     if env.venv_python.exists():
         for dist in ("sglang-router", "vllm-router"):
+            # One line either way: a version, or that the package is not in the venv (a
+            # traceback in the report's header says nothing more).
             v[dist] = run([env.venv_python, "-c",
-                           f"import importlib.metadata as m; print(m.version('{dist}'))"])
+                           "import importlib.metadata as m, sys\n"
+                           f"try: print(m.version('{dist}'))\n"
+                           "except m.PackageNotFoundError: print('not installed')"])
     return v
 
 

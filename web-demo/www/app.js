@@ -81,7 +81,7 @@ const PREDICTION_COLUMNS = [
   { key: 'delay_to_others_ms', label: 'delay to others', unit: 'ms', title: 'where requests queue, this prefill also delays those that arrive after it' },
   { key: 'room_ms', label: 'room', unit: 'ms', title: "the prefill the blocks this request brings will cost later: they take room in the replica's cache in proportion to its occupancy" },
   { key: 'copy_credit_ms', label: 'copy credit', unit: 'ms', title: "taken off the cost: what a copy of this prefix here would save the requests that share it and queue where it is held (a group's first request only)" },
-  { key: 'caution_ms', label: 'caution', unit: 'ms', title: 'added to the cost of a request no replica holds any of: the wait it would have here if the replica ran only the fewest lanes the first bytes have not ruled out' },
+  { key: 'caution_ms', label: 'caution', unit: 'ms', title: 'added to the cost of a request no replica holds any of: the work in flight here spread over the fewest lanes the first bytes have not ruled out (a lane free now is not free for a whole prefill)' },
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -554,7 +554,7 @@ function explain(view) {
       parts.push(`${p.uncached_tokens} uncached tokens × ${num(p.ms_per_token, 3)} ms`);
       why.push(`${names[win]} is believed to hold ${matched} of ${d.total_blocks} blocks; its predicted TTFT is ${ms(p.ttft_ms)} = ${parts.join(' + ')}.`);
       if (p.delay_to_others_ms > 0) why.push(`Its queue also makes this prefill delay later requests by about ${ms(p.delay_to_others_ms)}.`);
-      if (p.caution_ms > 0) why.push(`No replica holds any of it, so nothing is gained by stacking it behind the prefills in flight here: ${ms(p.caution_ms)} is added to its cost, the wait it would have if the replica ran only the fewest lanes its first bytes have not ruled out.`);
+      if (p.caution_ms > 0) why.push(`No replica holds any of it, so nothing is gained by stacking it behind the prefills in flight here: ${ms(p.caution_ms)} is added to its cost: the prefill and decode work in flight here spread over the fewest lanes its first bytes have not ruled out (a lane free now is not free for its whole prefill, and the requests of the groups living here would find it taken).`);
       if (p.copy_credit_ms > 0) why.push(`A copy of the prefix here saves the requests queueing for it where it is held about ${ms(p.copy_credit_ms)}, taken off the cost.`);
       if (p.room_ms > 0) {
         why.push(`The ${num(p.room_blocks, 1)} blocks it brings (${sc[win].continues ? (d.continued === 'First' ? "its new blocks and, this being its group's second request, the growth now expected of the group" : 'its own new blocks: it continues an earlier request there') : 'new blocks and the growth expected of a group that starts here'}) take room in a cache that is ${pct(sc[win].room.believed_blocks / Math.max(1, sc[win].room.capacity_blocks))} full: ${ms(p.room_ms)} of later prefill.`);
