@@ -187,8 +187,25 @@ impl Ledger {
         config: &LatencyConfig,
         now_ms: u64,
     ) {
+        if self.note_first_byte(endpoint, uncached_tokens, observation, config) {
+            self.publish(host, now_ms);
+        }
+    }
+
+    /// [`Self::first_byte`] kept in memory, for the request's [`Self::release`] to publish:
+    /// for an answer whose end follows its first byte at once (not streamed: the server sends
+    /// it whole), one write instead of two. Until then the other instances see the request
+    /// still prefilling; this instance's own view has it at once. Returns whether it applied
+    /// (an endpoint the ledger does not have changes nothing).
+    pub fn note_first_byte(
+        &mut self,
+        endpoint: usize,
+        uncached_tokens: u64,
+        observation: Option<Observation>,
+        config: &LatencyConfig,
+    ) -> bool {
         if endpoint >= self.ids.len() {
-            return;
+            return false;
         }
         let observed = observation.is_some();
         match self
@@ -199,7 +216,7 @@ impl Ledger {
             Ok(()) => {}
             Err(_) => self.counts.refused_observations += 1,
         }
-        self.publish(host, now_ms);
+        true
     }
 
     /// A steered request finished (completed, reset or destroyed). `prefill_pending`: its

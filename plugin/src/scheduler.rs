@@ -64,6 +64,10 @@ pub struct Ticket {
     pub first_byte_ms: Option<u64>,
     /// That first byte was a 2xx answer: the stream's end will say how long it decoded.
     pub answered: bool,
+    /// The client asked for a streamed answer (or the body could not say): its first byte
+    /// comes long before its end, so the first byte is published on its own. A whole answer's
+    /// first byte is published with its end ([`crate::ledger::Ledger::note_first_byte`]).
+    pub streamed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -265,19 +269,21 @@ impl<H: SharedData> Scheduler<H> {
         let mut hashes = std::mem::take(&mut self.hashes);
         // A chat body of the common shape is read where it lies (its messages are decoded only
         // if the memo does not hold them); any other body is parsed. Both give the same hashes.
-        if let Some(chat) = read_chat(body) {
+        let streamed = if let Some(chat) = read_chat(body) {
             hash_chat_memo_into(&chat, self.hash, &mut self.memo, &mut hashes);
+            chat.stream
         } else {
             match parse_request(body) {
                 Ok(request) => {
-                    hash_request_memo_into(&request, self.hash, &mut self.memo, &mut hashes)
+                    hash_request_memo_into(&request, self.hash, &mut self.memo, &mut hashes);
+                    request.stream
                 }
                 Err(_) => {
                     self.hashes = hashes;
                     return self.fallback(FallbackReason::ParseError, now_ms);
                 }
             }
-        }
+        };
         let after = self.memo.stats();
         if after != before {
             self.events.push(Event::HashMemo {
@@ -356,6 +362,7 @@ impl<H: SharedData> Scheduler<H> {
                 sent_ms: now_ms,
                 first_byte_ms: None,
                 answered: false,
+                streamed,
             },
         }
     }
@@ -458,6 +465,7 @@ impl<H: SharedData> Scheduler<H> {
                 sent_ms: now_ms,
                 first_byte_ms: None,
                 answered: false,
+                streamed: true,
             },
         }
     }
@@ -486,14 +494,19 @@ impl<H: SharedData> Scheduler<H> {
         let Some(endpoint) = self.ledger.index_of(ticket.endpoint_id) else {
             return; // It left the pool, and its work with it.
         };
-        self.ledger.first_byte(
-            self.router.store().host(),
-            endpoint,
-            ticket.uncached_tokens,
-            observation,
-            &latency,
-            now_ms,
-        );
+        if ticket.streamed {
+            self.ledger.first_byte(
+                self.router.store().host(),
+                endpoint,
+                ticket.uncached_tokens,
+                observation,
+                &latency,
+                now_ms,
+            );
+        } else {
+            self.ledger
+                .note_first_byte(endpoint, ticket.uncached_tokens, observation, &latency);
+        }
         self.drain_ledger_counts();
     }
 
@@ -1498,6 +1511,55 @@ mod tests {
             e.ledger.totals(&host, 50).work[c.endpoint],
             EndpointWork::default()
         );
+    }
+
+    #[test]
+    fn a_whole_answers_first_byte_is_published_with_its_end_and_a_streamed_ones_at_once() {
+        let host = MemShared::new();
+        let mut w1 = Scheduler::new(host.clone(), config(2, Policy::Latency));
+        let mut w2 = Scheduler::new(host.clone(), config(2, Policy::Latency));
+        let body = |stream: bool, q: &str| {
+            serde_json::json!({
+                "model": "m",
+                "stream": stream,
+                "messages": [{"role": "system", "content": "doc ".repeat(200)},
+                             {"role": "user", "content": q}]
+            })
+            .to_string()
+            .into_bytes()
+        };
+        // w1 registers on its first request, w2 learns of it at its tick.
+        let warmup = w1.route(&body(false, "w"), 0);
+        w1.release(&warmup.ticket, 1);
+        w2.tick(2);
+        for (stream, q) in [(false, "a"), (true, "b"), (false, "c\n"), (true, "d")] {
+            let mut c = w1.route(&body(stream, q), 10);
+            assert_eq!(c.ticket.streamed, stream);
+            let e = c.endpoint;
+            assert_eq!(w2.ledger.totals(&host, 10).work[e].prefilling, 1);
+            let (_, sets) = host.calls();
+            w1.first_byte(&mut c.ticket, true, 40);
+            let written = host.calls().1 - sets;
+            // This worker's own view has the first byte either way.
+            assert_eq!(w1.ledger.totals(&host, 40).work[e].prefilling, 0);
+            let seen = w2.ledger.totals(&host, 40).work[e];
+            if stream {
+                assert_eq!(written, 1, "a streamed first byte is written at once");
+                assert_eq!((seen.prefilling, seen.in_flight), (0, 1));
+            } else {
+                assert_eq!(written, 0, "a whole answer's first byte waits for its end");
+                assert_eq!((seen.prefilling, seen.in_flight), (1, 1));
+            }
+            let (_, sets) = host.calls();
+            w1.release(&c.ticket, 41);
+            assert_eq!(host.calls().1 - sets, 1, "the end: one write");
+            assert_eq!(w2.ledger.totals(&host, 41).work[e], EndpointWork::default());
+        }
+        // A body that is not parsed (fallback) cannot say: published at once, as before.
+        let mut f = w1.route(b"{not json", 50);
+        assert!(f.ticket.streamed);
+        w1.first_byte(&mut f.ticket, true, 51);
+        w1.release(&f.ticket, 52);
     }
 
     #[test]
