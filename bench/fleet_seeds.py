@@ -29,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sim_seeds import binaries_of, choices_of, seeds_of  # noqa: E402
+
 EVENTS = {
     "scale-in": ["down:1@8", "down:2@8"],
     "restart": ["restart:0@8"],
@@ -38,11 +41,6 @@ TRACE = ["--shape", "tenants", "--tenants", "24", "--prompt-words", "600",
          "--question-words", "40", "--rate", "60", "--requests", "1200"]
 FLEET = ["--replicas", "6", "--cache-blocks", "420", "--slots", "4",
          "--decode-ms-per-token", "0"]
-
-
-def seeds_of(text):
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
 
 
 def simulate(binary, path, policy, cost, events):
@@ -66,14 +64,8 @@ def main():
     p.add_argument("--costs", default="0.5,1.0", help="prefill ms per uncached token")
     p.add_argument("--seeds", default="11-30", help="a range, e.g. 11-30")
     args = p.parse_args()
-    binaries = [b.partition("=")[::2] for b in args.prefixroute]
-    for name, path in binaries:
-        if not path or not os.access(path, os.X_OK):
-            sys.exit(f"--prefixroute {name}={path}: not an executable")
-    events = args.events.split(",")
-    for e in events:
-        if e not in EVENTS:
-            sys.exit(f"unknown event {e!r} (one of {', '.join(EVENTS)})")
+    binaries = binaries_of(args.prefixroute)
+    events = choices_of(args.events, EVENTS, "event")
     try:
         costs = [float(c) for c in args.costs.split(",")]
     except ValueError:

@@ -33,6 +33,26 @@ def seeds_of(text):
     return list(range(int(lo), int(hi or lo) + 1))
 
 
+def binaries_of(specs):
+    """`NAME=PATH` arguments as (name, path) pairs; exits with a message unless each path is an
+    executable."""
+    binaries = [b.partition("=")[::2] for b in specs]
+    for name, path in binaries:
+        if not path or not os.access(path, os.X_OK):
+            sys.exit(f"--prefixroute {name}={path}: not an executable")
+    return binaries
+
+
+def choices_of(text, known, what):
+    """A comma list of names, each one of `known`; exits with a message naming the first that
+    is not."""
+    names = text.split(",")
+    for n in names:
+        if n not in known:
+            sys.exit(f"unknown {what} {n!r} (one of {', '.join(known)})")
+    return names
+
+
 def trace(binary, scenario, seed, out):
     args = [binary, "trace", "-o", out]
     for key, value in SWEEP_SCENARIOS[scenario]["trace"].items():
@@ -62,14 +82,8 @@ def main():
     p.add_argument("--scenarios", default="mixed,conversations,long")
     p.add_argument("--seeds", default="21-28", help="a range, e.g. 21-28")
     args = p.parse_args()
-    binaries = [b.partition("=")[::2] for b in args.prefixroute]
-    for name, path in binaries:
-        if not path or not os.access(path, os.X_OK):
-            sys.exit(f"--prefixroute {name}={path}: not an executable")
-    scenarios = args.scenarios.split(",")
-    for s in scenarios:
-        if s not in SWEEP_SCENARIOS:
-            sys.exit(f"unknown scenario {s!r} (one of {', '.join(SWEEP_SCENARIOS)})")
+    binaries = binaries_of(args.prefixroute)
+    scenarios = choices_of(args.scenarios, SWEEP_SCENARIOS, "scenario")
     seeds = seeds_of(args.seeds)
     print(f"seeds {seeds[0]}-{seeds[-1]}; mean (worst) over seeds: share of the bound's hit "
           "rate, TTFT p95 / bound's, max/mean")
