@@ -1154,7 +1154,7 @@ def versions(env):
             # One line either way: a version, or that the package is not in the venv (a
             # traceback in the report's header says nothing more).
             v[dist] = run([env.venv_python, "-c",
-                           "import importlib.metadata as m, sys\n"
+                           "import importlib.metadata as m\n"
                            f"try: print(m.version('{dist}'))\n"
                            "except m.PackageNotFoundError: print('not installed')"])
     return v

@@ -869,10 +869,10 @@ impl Prediction {
     /// find them taken (measured in docs/benchmarks.md: after a scale-in at 1 ms/token, four
     /// displaced tenants' 770 ms prefills went to one replica whose fewest plausible lanes
     /// were 4, each seeing a free lane; its own tenants' requests then waited up to 340 ms,
-    /// and it ended up holding more system prompts than its cache). Spread over the lanes, each cold
-    /// prefill in flight prices the next one a share of its length, so a burst spreads by the
-    /// prefill work in flight: a share of a prefill, not the few percent the learned rates
-    /// differ by.
+    /// and it ended up holding more system prompts than its cache). Spread over the lanes,
+    /// each cold prefill in flight prices the next one a share of its length, so a burst
+    /// spreads by the prefill work in flight: a share of a prefill, not the few percent the
+    /// learned rates differ by.
     pub fn with_caution(mut self, fewest_lanes: u32) -> Prediction {
         let fewest = fewest_lanes.clamp(1, self.lanes.max(1));
         let waited = self
@@ -1136,7 +1136,7 @@ impl Backlog {
         }
         let ahead = self.holders - p + 1.0;
         let share = ahead / (p * self.holders);
-        let hold = hold_ms.max(0.0) * (self.prefilling + 0.5 * self.decoding);
+        let hold = self.hold_work_ms(hold_ms);
         QueueWait {
             requests: ahead,
             tokens: share * self.pending_tokens,
@@ -1148,9 +1148,14 @@ impl Backlog {
     /// spread evenly over `lanes` lanes: a fluid queue's wait. Never below the wait for a lane
     /// of [`Self::queue`] (which waits for a share of it only once every lane is taken).
     pub fn spread_ms(&self, lanes: u32, ms_per_token: f64, hold_ms: f64) -> f64 {
-        let work = self.pending_tokens * ms_per_token
-            + hold_ms.max(0.0) * (self.prefilling + 0.5 * self.decoding);
+        let work = self.pending_tokens * ms_per_token + self.hold_work_ms(hold_ms);
         work / f64::from(lanes.max(1))
+    }
+
+    /// The lane time the holders have left after their first bytes, with a mean hold of
+    /// `hold_ms`: all of it for one still prefilling, about half for one decoding.
+    fn hold_work_ms(&self, hold_ms: f64) -> f64 {
+        hold_ms.max(0.0) * (self.prefilling + 0.5 * self.decoding)
     }
 }
 
