@@ -40,6 +40,8 @@ pub enum SimError {
     Config(#[from] prefixroute_core::config::ConfigError),
     #[error("replicas must be at least 1")]
     NoReplicas,
+    #[error("gateways must be at least 1")]
+    NoGateways,
     #[error(transparent)]
     Disagg(#[from] crate::disagg::DisaggError),
     #[error(transparent)]
@@ -66,6 +68,11 @@ pub struct SimConfig {
     /// router's own records of a request stay until the server's events say otherwise.
     #[serde(default)]
     pub index: IndexMode,
+    /// Gateways in front of the fleet, each with its own router, belief and ledger (separate
+    /// Envoys do not share their shared data); requests go to them in turn, as a client
+    /// spreading its load over several Envoys does. Each sees the replicas' scraped state, and
+    /// with `index: precise` every one of them reads the replicas' events.
+    pub gateways: usize,
 }
 
 impl Default for SimConfig {
@@ -78,6 +85,7 @@ impl Default for SimConfig {
             router: RouterConfig::default(),
             pd: None,
             index: IndexMode::Approximate,
+            gateways: 1,
         }
     }
 }
@@ -185,11 +193,13 @@ enum Signal {
     Done { endpoint: usize, hold_ms: f64 },
 }
 
-/// A signal due at `at_ms`; `seq` keeps equal times in the order they were scheduled.
+/// A signal due at `at_ms` to the gateway that sent the request; `seq` keeps equal times in
+/// the order they were scheduled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Due {
     at_ms: f64,
     seq: u64,
+    gateway: usize,
     signal: Signal,
 }
 
@@ -215,22 +225,30 @@ impl PartialOrd for Due {
 /// interval).
 pub const SCRAPE_INTERVAL_MS: f64 = 1000.0;
 
+/// One gateway: a router with what it alone knows (the plugin keeps this in one Envoy's
+/// shared data).
+struct Gateway {
+    router: Router,
+    /// The router's account of its requests.
+    ledger: RequestLedger,
+    /// Each replica's belief against its own counters, checked once per scrape interval,
+    /// with the counters and the ledger's totals at the last check. The counters count every
+    /// gateway's requests, the ledger only this one's, as on a real fleet.
+    calibration: Vec<Calibration>,
+    checked: Vec<(u64, u64, SentTokens)>,
+}
+
 /// A run in progress.
 pub struct Simulation {
     requests: Vec<SimRequest>,
-    router: Router,
+    /// The gateways; request `i` goes through gateway `i mod gateways.len()`.
+    gateways: Vec<Gateway>,
     replicas: Vec<ReplicaSim>,
     cache_blocks: usize,
     capacity_reported: bool,
     steps: Vec<Step>,
-    /// The router's account of its requests, as the plugin keeps it in shared data.
-    ledger: RequestLedger,
-    /// First bytes the ledger refused as observations (absurd timings).
+    /// First bytes a ledger refused as observations (absurd timings).
     refused_observations: u64,
-    /// Each replica's belief against its own counters, checked once per scrape interval,
-    /// with the counters and the ledger's totals at the last check.
-    calibration: Vec<Calibration>,
-    checked: Vec<(u64, u64, SentTokens)>,
     next_check_ms: f64,
     due: BinaryHeap<Due>,
     seq: u64,
@@ -254,32 +272,40 @@ impl Simulation {
         if config.replicas == 0 {
             return Err(SimError::NoReplicas);
         }
+        if config.gateways == 0 {
+            return Err(SimError::NoGateways);
+        }
         if let Some(pd) = &config.pd {
             pd.validate()?;
         }
         let requests = prepare(trace, &config.router)?;
-        let mut router = Router::new(config.router, config.replicas);
-        // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in the
-        // router's block size; the belief is bounded by it from the first request on (never
-        // above the configured bound, as in the plugin).
-        if config.capacity_reported && config.index == IndexMode::Approximate {
-            for e in 0..config.replicas {
-                router.set_capacity(
-                    e,
-                    config.cache_blocks.min(config.router.index_capacity_blocks),
-                );
-            }
-        }
         let n = config.replicas;
+        let gateway = || {
+            let mut router = Router::new(config.router, n);
+            // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in
+            // the router's block size; the belief is bounded by it from the first request on
+            // (never above the configured bound, as in the plugin).
+            if config.capacity_reported && config.index == IndexMode::Approximate {
+                for e in 0..n {
+                    router.set_capacity(
+                        e,
+                        config.cache_blocks.min(config.router.index_capacity_blocks),
+                    );
+                }
+            }
+            Gateway {
+                router,
+                ledger: RequestLedger::new(n),
+                calibration: vec![Calibration::default(); n],
+                checked: vec![(0, 0, SentTokens::default()); n],
+            }
+        };
         Ok(Simulation {
             requests,
-            router,
+            gateways: (0..config.gateways).map(|_| gateway()).collect(),
             cache_blocks: config.cache_blocks,
             capacity_reported: config.capacity_reported,
-            ledger: RequestLedger::new(n),
             refused_observations: 0,
-            calibration: vec![Calibration::default(); n],
-            checked: vec![(0, 0, SentTokens::default()); n],
             next_check_ms: SCRAPE_INTERVAL_MS,
             due: BinaryHeap::new(),
             seq: 0,
@@ -332,9 +358,9 @@ impl Simulation {
                     // A new pod is a new address: nothing is believed of it.
                     self.routable[r] = true;
                     self.restart_seen_at[r] = None;
-                    self.router.forget_endpoint(r);
+                    self.forget_endpoint(r);
                 }
-                FleetChange::Restart if self.precise => self.router.forget_endpoint(r),
+                FleetChange::Restart if self.precise => self.forget_endpoint(r),
                 FleetChange::Restart => {
                     // The first scrape after the restart (scrapes run every interval from 0).
                     let at_ms = event.at_s * 1000.0;
@@ -346,8 +372,14 @@ impl Simulation {
         for r in 0..self.replicas.len() {
             if self.restart_seen_at[r].is_some_and(|at| at <= now_ms) {
                 self.restart_seen_at[r] = None;
-                self.router.forget_endpoint(r);
+                self.forget_endpoint(r);
             }
+        }
+    }
+
+    fn forget_endpoint(&mut self, r: usize) {
+        for g in &mut self.gateways {
+            g.router.forget_endpoint(r);
         }
     }
 
@@ -355,8 +387,9 @@ impl Simulation {
         &self.replicas
     }
 
+    /// The first gateway's router (the only one, unless [`SimConfig::gateways`] says more).
     pub fn router(&self) -> &Router {
-        &self.router
+        &self.gateways[0].router
     }
 
     pub fn requests(&self) -> &[SimRequest] {
@@ -367,17 +400,18 @@ impl Simulation {
         &self.steps
     }
 
+    /// The first gateway's ledger.
     pub fn ledger(&self) -> &RequestLedger {
-        &self.ledger
+        &self.gateways[0].ledger
     }
 
     pub fn refused_observations(&self) -> u64 {
         self.refused_observations
     }
 
-    /// Each replica's calibration of the belief against its counters.
+    /// Each replica's calibration of the first gateway's belief against its counters.
     pub fn calibration(&self) -> &[Calibration] {
-        &self.calibration
+        &self.gateways[0].calibration
     }
 
     /// Once per scrape interval, as the plugin does on each scrape: every replica's hit and
@@ -389,49 +423,52 @@ impl Simulation {
             return;
         }
         self.next_check_ms = now_ms + SCRAPE_INTERVAL_MS;
-        for e in 0..self.replicas.len() {
-            let cache = &self.replicas[e].cache;
+        for (e, replica) in self.replicas.iter().enumerate() {
+            let cache = &replica.cache;
             let (hits, queries) = (cache.hit_tokens(), cache.query_tokens());
-            let sent = self.ledger.sent[e];
-            let (last_hits, last_queries, last_sent) = self.checked[e];
-            self.calibration[e].observe(
-                hits.saturating_sub(last_hits) as f64,
-                queries.saturating_sub(last_queries) as f64,
-                sent.predicted_cached
-                    .saturating_sub(last_sent.predicted_cached) as f64,
-                sent.prompt.saturating_sub(last_sent.prompt) as f64,
-            );
-            self.checked[e] = (hits, queries, sent);
-            let real = self
-                .cache_blocks
-                .min(self.router.config().index_capacity_blocks);
-            self.router
-                .set_capacity(e, self.calibration[e].capacity(real));
+            for g in &mut self.gateways {
+                let sent = g.ledger.sent[e];
+                let (last_hits, last_queries, last_sent) = g.checked[e];
+                g.calibration[e].observe(
+                    hits.saturating_sub(last_hits) as f64,
+                    queries.saturating_sub(last_queries) as f64,
+                    sent.predicted_cached
+                        .saturating_sub(last_sent.predicted_cached) as f64,
+                    sent.prompt.saturating_sub(last_sent.prompt) as f64,
+                );
+                g.checked[e] = (hits, queries, sent);
+                let real = self
+                    .cache_blocks
+                    .min(g.router.config().index_capacity_blocks);
+                let capacity = g.calibration[e].capacity(real);
+                g.router.set_capacity(e, capacity);
+            }
         }
     }
 
-    fn schedule(&mut self, at_ms: f64, signal: Signal) {
+    fn schedule(&mut self, at_ms: f64, gateway: usize, signal: Signal) {
         self.seq += 1;
         self.due.push(Due {
             at_ms,
             seq: self.seq,
+            gateway,
             signal,
         });
     }
 
-    /// Delivers every signal due by `now_ms` to the router's ledger.
+    /// Delivers every signal due by `now_ms` to the ledger of the gateway that sent it.
     fn catch_up(&mut self, now_ms: f64) {
         while self.due.peek().is_some_and(|d| d.at_ms <= now_ms) {
             let Some(due) = self.due.pop() else { break };
+            let g = &mut self.gateways[due.gateway];
             match due.signal {
                 Signal::FirstByte {
                     endpoint,
                     uncached_tokens,
                     observation,
                 } => {
-                    let latency = &self.router.config().latency;
-                    if self
-                        .ledger
+                    let latency = &g.router.config().latency;
+                    if g.ledger
                         .first_byte(endpoint, uncached_tokens, observation, latency)
                         .is_err()
                     {
@@ -439,7 +476,7 @@ impl Simulation {
                     }
                 }
                 Signal::Done { endpoint, hold_ms } => {
-                    if self.ledger.done(endpoint, None, Some(hold_ms)).is_err() {
+                    if g.ledger.done(endpoint, None, Some(hold_ms)).is_err() {
                         self.refused_observations += 1;
                     }
                 }
@@ -447,17 +484,18 @@ impl Simulation {
         }
     }
 
-    /// What the router knows of every replica at `now_ms`: a fresh scrape plus its ledger.
-    fn loads(&self, now_ms: f64) -> Vec<EndpointLoad> {
-        let latency = self.router.config().latency;
-        let learned = self.ledger.learned.estimate(&latency);
+    /// What a gateway's router knows of every replica at `now_ms`: a fresh scrape plus its
+    /// ledger.
+    fn loads(&self, gateway: &Gateway, now_ms: f64) -> Vec<EndpointLoad> {
+        let latency = gateway.router.config().latency;
+        let learned = gateway.ledger.learned.estimate(&latency);
         (0..self.replicas.len())
             .map(|e| {
                 let r = &self.replicas[e];
                 let (waiting, running) = (r.waiting(now_ms) as f64, r.running(now_ms) as f64);
                 let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
                 load.down = !self.routable[e];
-                load.latency.work = self.ledger.work[e];
+                load.latency.work = gateway.ledger.work[e];
                 load.latency.server = Some(ServerQueue { waiting, running });
                 learned.apply_to(e, &mut load.latency);
                 load
@@ -476,11 +514,12 @@ impl Simulation {
         self.catch_up(now_ms);
         self.change_fleet(now_ms);
         self.calibrate(now_ms);
-        let loads = self.loads(now_ms);
+        let gateway = index % self.gateways.len();
+        let loads = self.loads(&self.gateways[gateway], now_ms);
         let request = &self.requests[index];
-        self.router.set_now(now_ms);
-        let decision = self
-            .router
+        let router = &mut self.gateways[gateway].router;
+        router.set_now(now_ms);
+        let decision = router
             .pick(&request.hashes, &loads)
             .expect("a simulation has replicas: `new` refuses none");
         let block_size = request.hashes.block_size;
@@ -495,9 +534,7 @@ impl Simulation {
         let endpoint = decision.endpoint;
         // The router's ledger: what it predicted it sent (its own belief, not the replica's
         // truth), released at the first byte and at the end of the response.
-        let predicted = self
-            .router
-            .prediction_for(&decision, &request.hashes, &loads[endpoint]);
+        let predicted = router.prediction_for(&decision, &request.hashes, &loads[endpoint]);
         let remote = match (&self.pd, self.prefill_pool.as_mut()) {
             // llm-d's decider: on what the router predicts uncached there.
             (Some(pd), Some(pool)) if predicted.uncached_tokens as u64 >= pd.threshold_tokens => {
@@ -518,29 +555,32 @@ impl Simulation {
             ),
             None => self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens),
         };
-        self.router.commit(&decision, &request.hashes);
+        self.gateways[gateway]
+            .router
+            .commit(&decision, &request.hashes);
         if self.precise {
-            // The replica's KV events, applied to the belief as the relay would deliver them.
+            // The replica's KV events, applied to every gateway's belief as the relay would
+            // deliver them.
             for (p, change) in self.replicas[endpoint].take_changes() {
-                match change {
-                    crate::replica::CacheChange::Stored { first, len } => {
-                        if let Some((chain, _)) = prompts.get(p) {
-                            self.router
-                                .store_mut()
-                                .record_blocks(endpoint, &chain[first..first + len]);
+                for g in &mut self.gateways {
+                    let store = g.router.store_mut();
+                    match change {
+                        crate::replica::CacheChange::Stored { first, len } => {
+                            if let Some((chain, _)) = prompts.get(p) {
+                                store.record_blocks(endpoint, &chain[first..first + len]);
+                            }
                         }
-                    }
-                    crate::replica::CacheChange::Evicted(h) => {
-                        self.router.store_mut().remove(endpoint, h)
+                        crate::replica::CacheChange::Evicted(h) => store.remove(endpoint, h),
                     }
                 }
             }
         }
         let (t, group) = (request.t, request.group.clone());
         let uncached = predicted.uncached_tokens as u64;
-        self.ledger.sent(endpoint, &predicted);
+        self.gateways[gateway].ledger.sent(endpoint, &predicted);
         self.schedule(
             now_ms + served.ttft_ms,
+            gateway,
             Signal::FirstByte {
                 endpoint,
                 uncached_tokens: uncached,
@@ -553,6 +593,7 @@ impl Simulation {
         let end_ms = served.finish_ms.max(first_byte_ms);
         self.schedule(
             end_ms,
+            gateway,
             Signal::Done {
                 endpoint,
                 hold_ms: end_ms - first_byte_ms,
@@ -610,7 +651,7 @@ impl Simulation {
             decode_stall_p95_ms: percentile(&stall_total, 95.0),
             itl_worst_p95_ms: percentile(&stall_gap, 95.0),
             pd,
-            policy: self.router.config().policy.to_string(),
+            policy: self.router().config().policy.to_string(),
             requests: self.steps.len(),
             hit_rate: if queries == 0 {
                 0.0

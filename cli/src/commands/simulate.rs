@@ -62,6 +62,11 @@ pub struct Args {
     /// events, applied as they happen).
     #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
+    /// Gateways in front of the fleet, each with its own belief and ledger (separate Envoys
+    /// share nothing); requests go to them in turn. With `--index precise` every gateway
+    /// reads the replicas' events.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    gateways: u64,
     /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
     /// away 20 s into the trace; what it holds finishes), `up:replica-2@40` (a pod with an
     /// empty cache takes the slot), `restart:replica-1@30` (restarts in place: the router sees
@@ -176,6 +181,7 @@ pub fn run(args: Args) -> Result<()> {
             decode_ms_per_token: args.decode_ms_per_token,
         },
         index: args.index,
+        gateways: args.gateways as usize,
         ..SimConfig::default()
     };
     base.router.weights = args.weights;
@@ -186,6 +192,9 @@ pub fn run(args: Args) -> Result<()> {
     if let Some((pd, _, model)) = &split {
         if !args.fleet_events.is_empty() {
             bail!("--fleet-event is not supported with --prefill-replicas");
+        }
+        if args.gateways > 1 {
+            bail!("--gateways is not supported with --prefill-replicas");
         }
         return run_split(&args, &trace, &policies, base, *pd, model);
     }
@@ -226,6 +235,13 @@ pub fn run(args: Args) -> Result<()> {
             out += &format!(
                 "fleet: {} (the upper bound's one server has none)\n",
                 events.join(", ")
+            );
+        }
+        if args.gateways > 1 {
+            out += &format!(
+                "{} gateways, requests in turn, each with its own {} belief (the upper bound has one)\n",
+                args.gateways,
+                args.index.name()
             );
         }
         out += &render_table(&reports, Some(&bound));
