@@ -284,8 +284,10 @@ impl Simulation {
             let mut router = Router::new(config.router, n);
             // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in
             // the router's block size; the belief is bounded by it from the first request on
-            // (never above the configured bound, as in the plugin).
-            if config.capacity_reported && config.index == IndexMode::Approximate {
+            // (never above the configured bound, as in the plugin). A precise belief too: the
+            // events say what a replica holds, the capacity how much room it has left, which
+            // is what prices a new or growing group.
+            if config.capacity_reported {
                 for e in 0..n {
                     router.set_capacity(
                         e,

@@ -70,19 +70,29 @@ fn zero_gateways_is_an_error() {
     assert!(Simulation::new(&trace(), config(0, IndexMode::Approximate)).is_err());
 }
 
-/// Every precise gateway reads the same events, so two of them believe what one does and keep
-/// its hit rate (measured through two real Envoys in docs/benchmarks.md, "Several gateways at
-/// once"); each approximate gateway believes only what it routed.
+/// Every precise gateway reads the same events, so two or three of them believe what one does
+/// and keep most of its hit rate; approximate gateways each believe only what they routed and
+/// lose far more. (Through two real Envoys, `bench/gateways.py`: precise within 0.2–3.6 points
+/// of one gateway, approximate 14–19 points below, docs/benchmarks.md.) What the precise ones
+/// still lose is placement: each prices its own requests in flight and its own groups' growth.
 #[test]
-fn precise_gateways_keep_one_gateways_hit_rate() {
-    let (_, one) = run(1, IndexMode::Precise);
+fn precise_gateways_keep_most_of_one_gateways_hit_rate_and_approximate_ones_do_not() {
+    let (_, precise) = run(1, IndexMode::Precise);
+    let (_, approximate) = run(1, IndexMode::Approximate);
     for gateways in [2, 3] {
         let (_, many) = run(gateways, IndexMode::Precise);
         assert!(
-            many.hit_rate >= one.hit_rate - 0.02,
+            many.hit_rate >= precise.hit_rate - 0.03,
             "{gateways} precise gateways: {:.3} against one: {:.3}",
             many.hit_rate,
-            one.hit_rate
+            precise.hit_rate
+        );
+        let (_, many) = run(gateways, IndexMode::Approximate);
+        assert!(
+            many.hit_rate < approximate.hit_rate - 0.10,
+            "{gateways} approximate gateways: {:.3} against one: {:.3}",
+            many.hit_rate,
+            approximate.hit_rate
         );
     }
 }
