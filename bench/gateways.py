@@ -13,7 +13,7 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--requests N] [--policy P] [--kv-interval-ms MS]
+usage: bench/gateways.py [--shape tenants|conversations] [--requests N] [--policy P] [--kv-interval-ms MS]
                         [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
@@ -37,11 +37,25 @@ CLI = TARGET / "debug" / "prefixroute"
 WASM = TARGET / "wasm32-wasip1" / "wasm" / "prefixroute_plugin.wasm"
 ENVOY = Path(os.environ.get("ENVOY") or ROOT / ".venv" / "bin" / "envoy")
 
+# The traces (`--shape`): each with its fleet.
+SHAPES = {
+    # Caches that hold about half of the tenants' prompts (24 tenants of ~13 blocks, 3 × 52).
+    "tenants": {
+        "trace": ["--shape", "tenants", "--tenants", "24", "--prompt-words", "180",
+                  "--question-words", "12", "--rate", "20", "--seed", "7"],
+        "replicas": 3, "kv_blocks": 52,
+    },
+    # The sweep's conversations (bench.py): 24 growing conversations behind one system prompt,
+    # whose turns alternate between the gateways.
+    "conversations": {
+        "trace": ["--shape", "conversations", "--tenants", "24", "--prompt-words", "150",
+                  "--question-words", "30", "--rate", "20", "--seed", "13"],
+        "replicas": 6, "kv_blocks": 900,
+    },
+}
 REPLICAS = 3
-# Caches that hold about half of the tenants' prompts (24 tenants of ~13 blocks, 3 × 52).
 KV_BLOCKS = 52
-TRACE = ["--shape", "tenants", "--tenants", "24", "--prompt-words", "180",
-         "--question-words", "12", "--rate", "20", "--seed", "7"]
+TRACE = SHAPES["tenants"]["trace"]
 PREFILL_MS_PER_TOKEN = "0.5"
 
 procs = []
@@ -143,6 +157,7 @@ def run(work, gateways, index, trace):
     out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True)
     stop_all()
     report = json.loads(out.stdout)
+    served = list(report["endpoints"].values())
     return {
         "gateways": gateways,
         "index": index,
@@ -153,6 +168,8 @@ def run(work, gateways, index, trace):
         "latency_p95_ms": report["latency_ms"]["p95"],
         "groups_on_one": f'{report["groups_on_one_endpoint"]["single"]}/'
                          f'{report["groups_on_one_endpoint"]["groups"]}',
+        # Requests on the busiest replica over the mean (replicas that got none count).
+        "max_mean": max(served) * REPLICAS / sum(served) if sum(served) else None,
     }
 
 
@@ -163,11 +180,15 @@ def main():
                     help="how often each gateway's plugin fetches the relay's feed")
     ap.add_argument("--only", choices=["approximate", "precise"])
     ap.add_argument("--policy", default="latency")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tenants",
+                    help="the trace and its fleet (default: tenants)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS, POLICY
+    global KV_INTERVAL_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE
     KV_INTERVAL_MS = args.kv_interval_ms
     POLICY = args.policy
+    shape = SHAPES[args.shape]
+    REPLICAS, KV_BLOCKS, TRACE = shape["replicas"], shape["kv_blocks"], shape["trace"]
     for path in (CLI, WASM, ENVOY):
         if not path.exists():
             sys.exit(f"gateways: {path} is missing (build first: ./test.sh or bench/setup.sh)")
@@ -187,10 +208,12 @@ def main():
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
           f"feed fetched every {KV_INTERVAL_MS} ms\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
-          f"  groups on one")
+          f"  groups on one  max/mean")
     for r in rows:
+        balance = f"{r['max_mean']:.2f}" if r["max_mean"] is not None else "-"
         print(f"{r['index']:<12} {r['gateways']:>8} {r['errors']:>6} {100 * r['hit_rate']:>8.1f}%"
-              f" {r['latency_p50_ms']:>6.1f} ms {r['latency_p95_ms']:>6.1f} ms  {r['groups_on_one']}")
+              f" {r['latency_p50_ms']:>6.1f} ms {r['latency_p95_ms']:>6.1f} ms"
+              f"  {r['groups_on_one']:>13}  {balance:>8}")
     by = {(r["index"], r["gateways"]): r["hit_rate"] for r in rows}
     for index in [args.only] if args.only else ("approximate", "precise"):
         drop = 100 * (by[(index, 1)] - by[(index, 2)])
