@@ -428,6 +428,9 @@ pub struct PrefixIndex {
     /// Capacity of endpoints whose own capacity was never set.
     capacity: usize,
     endpoints: Vec<BlockLru>,
+    /// Each endpoint's cache size as its server reports it, where the belief is the server's
+    /// own events and so not bounded by it (see [`PrefixIndex::report_capacity`]).
+    reported: Vec<Option<usize>>,
 }
 
 impl PrefixIndex {
@@ -438,6 +441,7 @@ impl PrefixIndex {
         PrefixIndex {
             capacity,
             endpoints: (0..endpoints).map(|_| BlockLru::new(capacity)).collect(),
+            reported: vec![None; endpoints],
         }
     }
 
@@ -491,6 +495,19 @@ impl PrefixIndex {
         while self.endpoints.len() < endpoints {
             self.endpoints.push(BlockLru::new(self.capacity));
         }
+        self.reported.resize(self.endpoints.len(), None);
+    }
+
+    /// `endpoint`'s server caches `blocks`: its [`PrefixStore::room`] is measured against
+    /// that, while what it holds is left as recorded. For a belief that follows the server's
+    /// own KV events (`index: precise`), which are the truth: bounding it as
+    /// [`PrefixStore::set_capacity`] does would evict blocks the server still holds (the
+    /// router's own records of a request count them a second time until the events come), as
+    /// the plugin keeps an event-confirmed block until its removal is reported. The room is
+    /// what prices a new or growing group, so it still needs the real size.
+    pub fn report_capacity(&mut self, endpoint: usize, blocks: usize) {
+        self.ensure_endpoints(endpoint + 1);
+        self.reported[endpoint] = Some(blocks.max(1));
     }
 }
 
@@ -558,9 +575,12 @@ impl PrefixStore for PrefixIndex {
     fn room(&self, endpoint: usize) -> CacheRoom {
         self.endpoints
             .get(endpoint)
-            .map_or(CacheRoom::default(), |e| CacheRoom {
-                capacity_blocks: e.cap(),
-                believed_blocks: e.blocks(),
+            .map_or(CacheRoom::default(), |e| {
+                let capacity = self.reported[endpoint].unwrap_or(e.cap());
+                CacheRoom {
+                    capacity_blocks: capacity,
+                    believed_blocks: e.blocks().min(capacity),
+                }
             })
     }
 }
@@ -819,6 +839,25 @@ mod tests {
         assert!(index.len(0) <= 100);
         assert_eq!(index.longest_match(0, &other), 64);
         assert!(index.longest_match(0, &chain) < 64);
+    }
+
+    #[test]
+    fn a_reported_capacity_bounds_the_room_not_what_the_server_is_believed_to_hold() {
+        let mut index = PrefixIndex::new(2, 1000);
+        let events: Vec<u64> = (1..=30).collect();
+        index.record_blocks(0, &events);
+        index.report_capacity(0, 20);
+        // The server said it stored 30 blocks: all are believed, none dropped.
+        assert!(events.iter().all(|&h| index.contains(0, h)));
+        assert_eq!(index.longest_match(0, &events), 30);
+        // Its room is measured against what it reports: full.
+        let room = index.room(0);
+        assert_eq!((room.capacity_blocks, room.believed_blocks), (20, 20));
+        // Bounding it instead drops the oldest blocks.
+        index.set_capacity(1, 20);
+        index.record_blocks(1, &events);
+        assert_eq!(index.len(1), 20);
+        assert_eq!(index.room(1).capacity_blocks, 20);
     }
 
     #[test]

@@ -284,15 +284,16 @@ impl Simulation {
             let mut router = Router::new(config.router, n);
             // The replicas report their capacity (`num_gpu_blocks`) on the first scrape, in
             // the router's block size; the belief is bounded by it from the first request on
-            // (never above the configured bound, as in the plugin). A precise belief too: the
-            // events say what a replica holds, the capacity how much room it has left, which
-            // is what prices a new or growing group.
+            // (never above the configured bound, as in the plugin). A precise belief is the
+            // replicas' events, not bounded by it, but its room is: the capacity says how much
+            // room a replica has left, which is what prices a new or growing group.
             if config.capacity_reported {
+                let blocks = config.cache_blocks.min(config.router.index_capacity_blocks);
                 for e in 0..n {
-                    router.set_capacity(
-                        e,
-                        config.cache_blocks.min(config.router.index_capacity_blocks),
-                    );
+                    match config.index {
+                        IndexMode::Approximate => router.set_capacity(e, blocks),
+                        IndexMode::Precise => router.store_mut().report_capacity(e, blocks),
+                    }
                 }
             }
             Gateway {
