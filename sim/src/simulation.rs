@@ -42,6 +42,8 @@ pub enum SimError {
     NoReplicas,
     #[error("gateways must be at least 1")]
     NoGateways,
+    #[error("kv_interval_ms must be a number >= 0, got {0}")]
+    KvInterval(f64),
     #[error(transparent)]
     Disagg(#[from] crate::disagg::DisaggError),
     #[error(transparent)]
@@ -73,6 +75,11 @@ pub struct SimConfig {
     /// spreading its load over several Envoys does. Each sees the replicas' scraped state, and
     /// with `index: precise` every one of them reads the replicas' events.
     pub gateways: usize,
+    /// With `index: precise`: how often each gateway fetches the replicas' events, in ms (the
+    /// plugin's `kv_events.interval_ms`; `prefixroute serve --kv-interval-ms`). 0: a change
+    /// reaches every belief the moment the replica makes it. The gateways' fetches are spread
+    /// evenly over the interval, as independent Envoys' timers are.
+    pub kv_interval_ms: f64,
 }
 
 impl Default for SimConfig {
@@ -86,6 +93,7 @@ impl Default for SimConfig {
             pd: None,
             index: IndexMode::Approximate,
             gateways: 1,
+            kv_interval_ms: 0.0,
         }
     }
 }
@@ -236,6 +244,32 @@ struct Gateway {
     /// gateway's requests, the ledger only this one's, as on a real fleet.
     calibration: Vec<Calibration>,
     checked: Vec<(u64, u64, SentTokens)>,
+    /// The replicas' cache changes this gateway has not fetched yet, oldest first.
+    feed: std::collections::VecDeque<Fetched>,
+}
+
+/// A replica's cache change, as a gateway's feed delivers it.
+struct Fetched {
+    at_ms: f64,
+    endpoint: usize,
+    change: FeedChange,
+}
+
+#[derive(Clone)]
+enum FeedChange {
+    Stored(Vec<u64>),
+    Evicted(u64),
+}
+
+/// When gateway `g` of `count` next fetches the feed after `now_ms`: every `interval` ms,
+/// the gateways' fetches spread evenly over it; at once with no interval.
+fn next_fetch_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> f64 {
+    if interval <= 0.0 {
+        return now_ms;
+    }
+    let phase = interval * g as f64 / count as f64;
+    let k = ((now_ms - phase) / interval).floor() + 1.0;
+    phase + k.max(0.0) * interval
 }
 
 /// A run in progress.
@@ -257,6 +291,7 @@ pub struct Simulation {
     prefill_pool: Option<PrefillPool>,
     /// The belief follows the replicas' KV events (`index: precise`).
     precise: bool,
+    kv_interval_ms: f64,
     /// Changes to the fleet still to come, latest first (see [`crate::fleet`]).
     fleet: Vec<FleetEvent>,
     /// Replicas the router may send requests to (not `down`).
@@ -274,6 +309,9 @@ impl Simulation {
         }
         if config.gateways == 0 {
             return Err(SimError::NoGateways);
+        }
+        if !(config.kv_interval_ms.is_finite() && config.kv_interval_ms >= 0.0) {
+            return Err(SimError::KvInterval(config.kv_interval_ms));
         }
         if let Some(pd) = &config.pd {
             pd.validate()?;
@@ -301,6 +339,7 @@ impl Simulation {
                 ledger: RequestLedger::new(n),
                 calibration: vec![Calibration::default(); n],
                 checked: vec![(0, 0, SentTokens::default()); n],
+                feed: std::collections::VecDeque::new(),
             }
         };
         Ok(Simulation {
@@ -314,6 +353,7 @@ impl Simulation {
             seq: 0,
             pd: config.pd,
             precise: config.index == IndexMode::Precise,
+            kv_interval_ms: config.kv_interval_ms,
             prefill_pool: config
                 .pd
                 .filter(|pd| pd.prefill_replicas > 0)
@@ -383,6 +423,8 @@ impl Simulation {
     fn forget_endpoint(&mut self, r: usize) {
         for g in &mut self.gateways {
             g.router.forget_endpoint(r);
+            // What the feed still carries of it happened before: the relay delivers in order.
+            g.feed.retain(|f| f.endpoint != r);
         }
     }
 
@@ -459,8 +501,25 @@ impl Simulation {
         });
     }
 
+    /// Applies to each gateway's belief the cache changes its feed has fetched by `now_ms`.
+    fn fetch_feeds(gateways: &mut [Gateway], now_ms: f64) {
+        for g in gateways {
+            while g.feed.front().is_some_and(|f| f.at_ms <= now_ms) {
+                let Some(fetched) = g.feed.pop_front() else {
+                    break;
+                };
+                let store = g.router.store_mut();
+                match fetched.change {
+                    FeedChange::Stored(hashes) => store.record_blocks(fetched.endpoint, &hashes),
+                    FeedChange::Evicted(h) => store.remove(fetched.endpoint, h),
+                }
+            }
+        }
+    }
+
     /// Delivers every signal due by `now_ms` to the ledger of the gateway that sent it.
     fn catch_up(&mut self, now_ms: f64) {
+        Self::fetch_feeds(&mut self.gateways, now_ms);
         while self.due.peek().is_some_and(|d| d.at_ms <= now_ms) {
             let Some(due) = self.due.pop() else { break };
             let g = &mut self.gateways[due.gateway];
@@ -562,21 +621,29 @@ impl Simulation {
             .router
             .commit(&decision, &request.hashes);
         if self.precise {
-            // The replica's KV events, applied to every gateway's belief as the relay would
-            // deliver them.
+            // The replica's KV events, to every gateway's feed: applied at its next fetch.
+            let interval = self.kv_interval_ms;
+            let count = self.gateways.len();
             for (p, change) in self.replicas[endpoint].take_changes() {
-                for g in &mut self.gateways {
-                    let store = g.router.store_mut();
-                    match change {
-                        crate::replica::CacheChange::Stored { first, len } => {
-                            if let Some((chain, _)) = prompts.get(p) {
-                                store.record_blocks(endpoint, &chain[first..first + len]);
-                            }
-                        }
-                        crate::replica::CacheChange::Evicted(h) => store.remove(endpoint, h),
+                let change = match change {
+                    crate::replica::CacheChange::Stored { first, len } => {
+                        let Some((chain, _)) = prompts.get(p) else {
+                            continue;
+                        };
+                        FeedChange::Stored(chain[first..first + len].to_vec())
                     }
+                    crate::replica::CacheChange::Evicted(h) => FeedChange::Evicted(h),
+                };
+                for (g, gateway) in self.gateways.iter_mut().enumerate() {
+                    let fetched = Fetched {
+                        at_ms: next_fetch_ms(now_ms, interval, g, count),
+                        endpoint,
+                        change: change.clone(),
+                    };
+                    gateway.feed.push_back(fetched);
                 }
             }
+            Self::fetch_feeds(&mut self.gateways, now_ms);
         }
         let (t, group) = (request.t, request.group.clone());
         let uncached = predicted.uncached_tokens as u64;
@@ -895,6 +962,17 @@ mod tests {
         trace[2].body = serde_json::json!({"messages": 5});
         let err = Simulation::new(&trace, SimConfig::default()).err().unwrap();
         assert!(err.to_string().starts_with("request 2 (tenant-"), "{err}");
+    }
+
+    #[test]
+    fn each_gateway_fetches_the_feed_at_its_own_phase_of_the_interval() {
+        // One gateway: at 200, 400, …; the second of two half an interval later.
+        assert_eq!(next_fetch_ms(0.0, 200.0, 0, 2), 200.0);
+        assert_eq!(next_fetch_ms(200.0, 200.0, 0, 2), 400.0);
+        assert_eq!(next_fetch_ms(99.0, 200.0, 1, 2), 100.0);
+        assert_eq!(next_fetch_ms(250.0, 200.0, 1, 2), 300.0);
+        // No interval: at once.
+        assert_eq!(next_fetch_ms(250.0, 0.0, 1, 2), 250.0);
     }
 
     #[test]

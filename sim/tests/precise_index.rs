@@ -3,7 +3,7 @@
 
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{BeliefCheck, SimConfig, Simulation};
-use prefixroute_sim::trace::{TraceShape, TraceSpec};
+use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 /// 24 tenants through caches that hold about half of them, whose size the replicas do not
 /// report (llm-d's default belief of 31,250 blocks): the approximate belief keeps believing
@@ -13,8 +13,8 @@ fn run(index: IndexMode) -> Simulation {
     run_reported(index, false)
 }
 
-fn run_reported(index: IndexMode, capacity_reported: bool) -> Simulation {
-    let trace = TraceSpec {
+fn trace() -> Vec<TraceRecord> {
+    TraceSpec {
         shape: TraceShape::Tenants,
         tenants: 24,
         prompt_words: 180,
@@ -24,7 +24,10 @@ fn run_reported(index: IndexMode, capacity_reported: bool) -> Simulation {
         ..TraceSpec::default()
     }
     .generate()
-    .unwrap();
+    .unwrap()
+}
+
+fn config(index: IndexMode, capacity_reported: bool) -> SimConfig {
     let mut config = SimConfig {
         cache_blocks: 52,
         capacity_reported,
@@ -32,7 +35,11 @@ fn run_reported(index: IndexMode, capacity_reported: bool) -> Simulation {
         ..SimConfig::default()
     };
     config.router.policy = Policy::Latency;
-    let mut sim = Simulation::new(&trace, config).unwrap();
+    config
+}
+
+fn run_reported(index: IndexMode, capacity_reported: bool) -> Simulation {
+    let mut sim = Simulation::new(&trace(), config(index, capacity_reported)).unwrap();
     sim.run();
     sim
 }
@@ -119,4 +126,33 @@ fn a_precise_belief_knows_the_reported_capacity_so_growing_conversations_spread(
         precise.hit_rate,
         approximate.hit_rate
     );
+}
+
+/// The plugin fetches the relay's feed every `kv_events.interval_ms`: until its next fetch a
+/// precise belief still holds what a replica just evicted and lacks what it just stored.
+/// Applied at once (the default), it is never wrong on this trace; fetched every 200 ms, it is
+/// sometimes, and the beliefs it is wrong about are fewer than the approximate belief's.
+#[test]
+fn a_feed_fetched_every_interval_lags_the_replicas_by_up_to_that_interval() {
+    let at = |kv_interval_ms: f64| {
+        let mut sim = Simulation::new(
+            &trace(),
+            SimConfig {
+                kv_interval_ms,
+                ..config(IndexMode::Precise, false)
+            },
+        )
+        .unwrap();
+        sim.run();
+        sim.belief_check()
+    };
+    assert_eq!(at(0.0).wrong, 0);
+    let lagging = at(200.0);
+    assert!(lagging.wrong > 0, "{lagging:?}");
+    assert!(lagging.wrong < run(IndexMode::Approximate).belief_check().wrong);
+    let bad = SimConfig {
+        kv_interval_ms: -1.0,
+        ..config(IndexMode::Precise, false)
+    };
+    assert!(Simulation::new(&trace(), bad).is_err());
 }

@@ -67,6 +67,11 @@ pub struct Args {
     /// reads the replicas' events.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gateways: u64,
+    /// With `--index precise`: how often each gateway fetches the replicas' events, in ms, as
+    /// the plugin's `kv_events.interval_ms` (`serve --kv-interval-ms`); 0 applies every change
+    /// the moment the replica makes it.
+    #[arg(long, default_value_t = 0.0)]
+    kv_interval_ms: f64,
     /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
     /// away 20 s into the trace; what it holds finishes), `up:replica-2@40` (a pod with an
     /// empty cache takes the slot), `restart:replica-1@30` (restarts in place: the router sees
@@ -182,6 +187,7 @@ pub fn run(args: Args) -> Result<()> {
         },
         index: args.index,
         gateways: args.gateways as usize,
+        kv_interval_ms: args.kv_interval_ms,
         ..SimConfig::default()
     };
     base.router.weights = args.weights;
