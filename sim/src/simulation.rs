@@ -71,10 +71,12 @@ pub struct SimConfig {
     #[serde(default)]
     pub index: IndexMode,
     /// Gateways in front of the fleet, each with its own router, belief and ledger (separate
-    /// Envoys do not share their shared data); requests go to them in turn, as a client
-    /// spreading its load over several Envoys does. Each sees the replicas' scraped state, and
-    /// with `index: precise` every one of them reads the replicas' events.
+    /// Envoys do not share their shared data); requests go to them as `spread` says. Each
+    /// sees the replicas' scraped state, and with `index: precise` every one of them reads
+    /// the replicas' events.
     pub gateways: usize,
+    /// How requests reach the gateways.
+    pub spread: GatewaySpread,
     /// With `index: precise`: how often each gateway fetches the replicas' events, in ms (the
     /// plugin's `kv_events.interval_ms`; `prefixroute serve --kv-interval-ms`). 0: a change
     /// reaches every belief the moment the replica makes it. The gateways' fetches are spread
@@ -93,7 +95,35 @@ impl Default for SimConfig {
             pd: None,
             index: IndexMode::Approximate,
             gateways: 1,
+            spread: GatewaySpread::InTurn,
             kv_interval_ms: 0.0,
+        }
+    }
+}
+
+/// How a client's requests reach several gateways.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GatewaySpread {
+    /// Request `i` to gateway `i mod N`: a client or load balancer that spreads every
+    /// request (the turns of one conversation go to different gateways).
+    #[default]
+    InTurn,
+    /// Every request of a group to one gateway (by a hash of the group's name): session
+    /// affinity in front of the gateways (a consistent hash on a user or session header).
+    ByGroup,
+}
+
+impl std::str::FromStr for GatewaySpread {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "in-turn" => Ok(GatewaySpread::InTurn),
+            "by-group" => Ok(GatewaySpread::ByGroup),
+            _ => Err(format!(
+                "unknown gateway spread {s:?} (expected in-turn or by-group)"
+            )),
         }
     }
 }
@@ -292,6 +322,7 @@ pub struct Simulation {
     /// The belief follows the replicas' KV events (`index: precise`).
     precise: bool,
     kv_interval_ms: f64,
+    spread: GatewaySpread,
     /// Changes to the fleet still to come, latest first (see [`crate::fleet`]).
     fleet: Vec<FleetEvent>,
     /// Replicas the router may send requests to (not `down`).
@@ -354,6 +385,7 @@ impl Simulation {
             pd: config.pd,
             precise: config.index == IndexMode::Precise,
             kv_interval_ms: config.kv_interval_ms,
+            spread: config.spread,
             prefill_pool: config
                 .pd
                 .filter(|pd| pd.prefill_replicas > 0)
@@ -576,7 +608,13 @@ impl Simulation {
         self.catch_up(now_ms);
         self.change_fleet(now_ms);
         self.calibrate(now_ms);
-        let gateway = index % self.gateways.len();
+        let gateway = match self.spread {
+            GatewaySpread::InTurn => index % self.gateways.len(),
+            GatewaySpread::ByGroup => {
+                let name = self.requests[index].group.as_bytes();
+                (xxhash_rust::xxh64::xxh64(name, 0) % self.gateways.len() as u64) as usize
+            }
+        };
         let loads = self.loads(&self.gateways[gateway], now_ms);
         let request = &self.requests[index];
         let router = &mut self.gateways[gateway].router;

@@ -3,7 +3,7 @@
 //! trace and fleet are `bench/gateways.py`'s, whose real-Envoy runs these mirror.
 
 use prefixroute_core::config::{IndexMode, Policy};
-use prefixroute_sim::simulation::{SimConfig, SimReport, Simulation};
+use prefixroute_sim::simulation::{GatewaySpread, SimConfig, SimReport, Simulation};
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 /// `prefixroute trace --shape tenants --tenants 24 --prompt-words 180 --question-words 12
@@ -95,4 +95,55 @@ fn precise_gateways_keep_most_of_one_gateways_hit_rate_and_approximate_ones_do_n
             approximate.hit_rate
         );
     }
+}
+
+/// With session affinity in front of the gateways (`GatewaySpread::ByGroup`) every group's
+/// requests go through one gateway, whose own belief is then all the fleet needs to know about
+/// it: approximate gateways keep one gateway's hit rate on the sweep's conversations, where
+/// spreading their turns costs them.
+#[test]
+fn approximate_gateways_with_session_affinity_keep_conversations_together() {
+    let trace = TraceSpec {
+        shape: TraceShape::Conversations,
+        tenants: 24,
+        prompt_words: 150,
+        question_words: 30,
+        rate: 20.0,
+        requests: 400,
+        seed: 13,
+        ..TraceSpec::default()
+    }
+    .generate()
+    .unwrap();
+    let report = |gateways, spread| {
+        let mut config = SimConfig {
+            replicas: 6,
+            cache_blocks: 900,
+            gateways,
+            spread,
+            ..SimConfig::default()
+        };
+        config.timing.lanes = 4;
+        config.timing.decode_ms_per_token = 0.0;
+        config.timing.prefill_ms_per_token = 0.5;
+        config.router.policy = Policy::Latency;
+        let mut sim = Simulation::new(&trace, config).unwrap();
+        sim.run();
+        sim.report()
+    };
+    let one = report(1, GatewaySpread::InTurn);
+    let in_turn = report(2, GatewaySpread::InTurn);
+    let by_group = report(2, GatewaySpread::ByGroup);
+    assert!(
+        by_group.hit_rate >= one.hit_rate - 0.01,
+        "by group {:.3}, one gateway {:.3}",
+        by_group.hit_rate,
+        one.hit_rate
+    );
+    assert!(
+        in_turn.hit_rate < by_group.hit_rate - 0.03,
+        "in turn {:.3}, by group {:.3}",
+        in_turn.hit_rate,
+        by_group.hit_rate
+    );
 }

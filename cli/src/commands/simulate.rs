@@ -7,7 +7,9 @@ use prefixroute_sim::disagg::{self, fmt_bytes};
 use prefixroute_sim::fleet::FleetEvent;
 use prefixroute_sim::pd::PdConfig;
 use prefixroute_sim::replica::ReplicaTiming;
-use prefixroute_sim::simulation::{replica_names, upper_bound, SimConfig, SimReport, Simulation};
+use prefixroute_sim::simulation::{
+    replica_names, upper_bound, GatewaySpread, SimConfig, SimReport, Simulation,
+};
 use prefixroute_sim::summary::max_over_mean;
 
 #[derive(clap::Args)]
@@ -67,6 +69,11 @@ pub struct Args {
     /// reads the replicas' events.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gateways: u64,
+    /// How requests reach the gateways: `in-turn` (request i to gateway i mod N; a
+    /// conversation's turns go to different gateways) or `by-group` (every request of a group
+    /// to one gateway: session affinity in front of them).
+    #[arg(long, default_value = "in-turn", value_parser = str::parse::<GatewaySpread>)]
+    gateway_spread: GatewaySpread,
     /// With `--index precise`: how often each gateway fetches the replicas' events, in ms, as
     /// the plugin's `kv_events.interval_ms` (`serve --kv-interval-ms`); 0 applies every change
     /// the moment the replica makes it.
@@ -187,6 +194,7 @@ pub fn run(args: Args) -> Result<()> {
         },
         index: args.index,
         gateways: args.gateways as usize,
+        spread: args.gateway_spread,
         kv_interval_ms: args.kv_interval_ms,
         ..SimConfig::default()
     };
@@ -244,8 +252,12 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
         if args.gateways > 1 {
+            let spread = match args.gateway_spread {
+                GatewaySpread::InTurn => "requests in turn",
+                GatewaySpread::ByGroup => "each group's requests to one of them",
+            };
             out += &format!(
-                "{} gateways, requests in turn, each with its own {} belief (the upper bound has one)\n",
+                "{} gateways, {spread}, each with its own {} belief (the upper bound has one)\n",
                 args.gateways,
                 args.index.name()
             );
