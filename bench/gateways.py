@@ -13,7 +13,8 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--shape tenants|conversations] [--requests N] [--policy P] [--kv-interval-ms MS]
+usage: bench/gateways.py [--shape tenants|conversations] [--spread in-turn|by-group] [--requests N]
+                        [--policy P] [--kv-interval-ms MS]
                         [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
@@ -114,6 +115,7 @@ def replica(work, name):
 
 KV_INTERVAL_MS = "200"
 POLICY = "latency"
+SPREAD = "in-turn"
 
 
 def run(work, gateways, index, trace):
@@ -149,7 +151,8 @@ def run(work, gateways, index, trace):
         wait(f"gateway {g}", lambda: get(f"http://127.0.0.1:{admin}/ready")[0] == 200)
         urls.append(f"http://127.0.0.1:{port}")
     time.sleep(2.5)  # the first discovery, scrapes and feed fetches
-    argv = [CLI, "replay", trace, "--json", "--no-progress", "--timeout-s", "60"]
+    argv = [CLI, "replay", trace, "--json", "--no-progress", "--timeout-s", "60",
+            "--url-spread", SPREAD]
     for u in urls:
         argv += ["--url", u]
     for name, port, _ in fleet:
@@ -182,11 +185,15 @@ def main():
     ap.add_argument("--policy", default="latency")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tenants",
                     help="the trace and its fleet (default: tenants)")
+    ap.add_argument("--spread", choices=["in-turn", "by-group"], default="in-turn",
+                    help="requests to the gateways in turn, or each trace group through one "
+                         "(session affinity)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE
+    global KV_INTERVAL_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD
     KV_INTERVAL_MS = args.kv_interval_ms
     POLICY = args.policy
+    SPREAD = args.spread
     shape = SHAPES[args.shape]
     REPLICAS, KV_BLOCKS, TRACE = shape["replicas"], shape["kv_blocks"], shape["trace"]
     for path in (CLI, WASM, ENVOY):
@@ -206,7 +213,7 @@ def main():
         stop_all()
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
-          f"feed fetched every {KV_INTERVAL_MS} ms\n")
+          f"feed fetched every {KV_INTERVAL_MS} ms, requests to the gateways {SPREAD}\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
           f"  groups on one  max/mean")
     for r in rows:

@@ -114,6 +114,19 @@ pub enum GatewaySpread {
     ByGroup,
 }
 
+impl GatewaySpread {
+    /// The gateway (of `count`) that request `index` of `group` goes through.
+    pub fn gateway(self, index: usize, group: &str, count: usize) -> usize {
+        let count = count.max(1);
+        match self {
+            GatewaySpread::InTurn => index % count,
+            GatewaySpread::ByGroup => {
+                (xxhash_rust::xxh64::xxh64(group.as_bytes(), 0) % count as u64) as usize
+            }
+        }
+    }
+}
+
 impl std::str::FromStr for GatewaySpread {
     type Err = String;
 
@@ -608,13 +621,9 @@ impl Simulation {
         self.catch_up(now_ms);
         self.change_fleet(now_ms);
         self.calibrate(now_ms);
-        let gateway = match self.spread {
-            GatewaySpread::InTurn => index % self.gateways.len(),
-            GatewaySpread::ByGroup => {
-                let name = self.requests[index].group.as_bytes();
-                (xxhash_rust::xxh64::xxh64(name, 0) % self.gateways.len() as u64) as usize
-            }
-        };
+        let gateway = self
+            .spread
+            .gateway(index, &self.requests[index].group, self.gateways.len());
         let loads = self.loads(&self.gateways[gateway], now_ms);
         let request = &self.requests[index];
         let router = &mut self.gateways[gateway].router;
@@ -1000,6 +1009,23 @@ mod tests {
         trace[2].body = serde_json::json!({"messages": 5});
         let err = Simulation::new(&trace, SimConfig::default()).err().unwrap();
         assert!(err.to_string().starts_with("request 2 (tenant-"), "{err}");
+    }
+
+    #[test]
+    fn requests_reach_gateways_in_turn_or_each_group_through_one() {
+        let in_turn: Vec<usize> = (0..5)
+            .map(|i| GatewaySpread::InTurn.gateway(i, "conv-1", 2))
+            .collect();
+        assert_eq!(in_turn, [0, 1, 0, 1, 0]);
+        let groups: Vec<String> = (0..24).map(|g| format!("tenant-{g}")).collect();
+        let of = |i: usize, g: &str| GatewaySpread::ByGroup.gateway(i, g, 3);
+        // A group's every request through one gateway, whatever its index...
+        assert!(groups.iter().all(|g| (0..10).all(|i| of(i, g) == of(0, g))));
+        // ...and the groups over all of them.
+        let used: std::collections::BTreeSet<usize> = groups.iter().map(|g| of(0, g)).collect();
+        assert_eq!(used.len(), 3);
+        assert_eq!("by-group".parse(), Ok(GatewaySpread::ByGroup));
+        assert!("sticky".parse::<GatewaySpread>().is_err());
     }
 
     #[test]

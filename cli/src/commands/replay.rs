@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use prefixroute_sim::simulation::GatewaySpread;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -78,10 +79,14 @@ pub struct Args {
     /// Trace file (JSONL) from `prefixroute trace`.
     trace: PathBuf,
     /// Base URL requests are sent to, e.g. http://127.0.0.1:8080; bodies with `messages` go to
-    /// /v1/chat/completions, bodies with `prompt` to /v1/completions. Repeat it to alternate
-    /// requests between several gateways (request i goes to URL i mod n).
+    /// /v1/chat/completions, bodies with `prompt` to /v1/completions. Repeat it to spread
+    /// requests over several gateways (see `--url-spread`).
     #[arg(long = "url", required = true)]
     urls: Vec<String>,
+    /// With several `--url`s: `in-turn` (request i to URL i mod n) or `by-group` (every
+    /// request of a trace group to one URL, as session affinity in front of the gateways).
+    #[arg(long, default_value = "in-turn", value_parser = str::parse::<GatewaySpread>)]
+    url_spread: GatewaySpread,
     /// NAME=URL of a server whose prefix-cache counters are read before and after the run
     /// (repeatable). A URL without a path means its /metrics.
     #[arg(long = "metrics", value_name = "NAME=URL")]
@@ -160,7 +165,7 @@ pub fn run(args: Args) -> Result<()> {
     let records = super::read_trace(&args.trace)?;
     let run = Run {
         trace: args.trace.display().to_string(),
-        requests: send::prepare(&records, &urls)?,
+        requests: send::prepare(&records, &urls, args.url_spread)?,
         urls,
         targets,
         limit: args.concurrency_limit,
@@ -203,7 +208,7 @@ pub fn replay_records(
     let urls = vec![BaseUrl::parse(url).context("--url")?];
     let run = Run {
         trace: label.to_string(),
-        requests: send::prepare(records, &urls)?,
+        requests: send::prepare(records, &urls, GatewaySpread::InTurn)?,
         urls,
         targets: metrics_targets(metrics)?,
         limit: None,

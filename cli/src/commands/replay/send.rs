@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use hyper::header::CONTENT_TYPE;
 use hyper::{HeaderMap, Uri};
+use prefixroute_sim::simulation::GatewaySpread;
 use prefixroute_sim::trace::TraceRecord;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -53,8 +54,13 @@ fn with_usage_requested(body: &Value) -> Value {
     body
 }
 
-/// Request `i` goes to `bases[i % bases.len()]` (several gateways, alternating).
-pub fn prepare(records: &[TraceRecord], bases: &[BaseUrl]) -> Result<Vec<Prepared>> {
+/// Request `i` goes to the base `spread` picks (several gateways: in turn, or each group to
+/// one of them, as the simulator's `--gateways`).
+pub fn prepare(
+    records: &[TraceRecord],
+    bases: &[BaseUrl],
+    spread: GatewaySpread,
+) -> Result<Vec<Prepared>> {
     anyhow::ensure!(!bases.is_empty(), "no URL to send to");
     records
         .iter()
@@ -65,7 +71,8 @@ pub fn prepare(records: &[TraceRecord], bases: &[BaseUrl]) -> Result<Vec<Prepare
                 at: Duration::try_from_secs_f64(record.t).with_context(|| {
                     format!("request {}: t = {} is out of range", i + 1, record.t)
                 })?,
-                uri: bases[i % bases.len()].join(api_path(&record.body))?,
+                uri: bases[spread.gateway(i, &record.group, bases.len())]
+                    .join(api_path(&record.body))?,
                 body: Bytes::from(with_usage_requested(&record.body).to_string()),
             })
         })
