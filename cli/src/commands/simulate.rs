@@ -182,6 +182,9 @@ pub fn run(args: Args) -> Result<()> {
         .as_ref()
         .map_or(args.replicas, |(_, decode, _)| *decode);
     let names = replica_names(replicas);
+    if args.kv_interval_ms != 0.0 && args.index != IndexMode::Precise {
+        bail!("--kv-interval-ms delays the replicas' KV events: it needs --index precise");
+    }
     let mut base = SimConfig {
         replicas,
         cache_blocks: args.cache_blocks,
