@@ -411,6 +411,71 @@ fn bad_prefill_decode_flags_exit_2_with_one_clear_error() {
 }
 
 #[test]
+fn bad_gateway_flags_exit_2_with_one_clear_line() {
+    let trace = temp("gateways.jsonl");
+    let out = prefixroute(&["trace", "--requests", "8", "-o", trace.to_str().unwrap()]);
+    assert!(out.status.success());
+    let t = trace.to_str().unwrap();
+    for (flags, message) in [
+        (vec!["--gateways", "0"], "0 is not in 1..=64"),
+        (
+            vec!["--gateway-spread", "sticky"],
+            "unknown gateway spread \"sticky\"",
+        ),
+        (
+            vec!["--kv-interval-ms", "200"],
+            "error: --kv-interval-ms delays the replicas' KV events: it needs --index precise",
+        ),
+        (
+            vec!["--index", "precise", "--kv-interval-ms=-5"],
+            "error: kv_interval_ms must be a number >= 0, got -5",
+        ),
+        (
+            vec![
+                "--gateways",
+                "2",
+                "--prefill-replicas",
+                "1",
+                "--link-gbps",
+                "10",
+            ],
+            "error: --gateways is not supported with --prefill-replicas",
+        ),
+    ] {
+        let mut args = vec!["simulate", t];
+        args.extend(&flags);
+        let out = prefixroute(&args);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}");
+        let err = stderr(&out);
+        assert!(err.contains(message), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"));
+    }
+    // Two gateways, each group through one, with a delayed feed: a table with the note.
+    let out = prefixroute(&[
+        "simulate",
+        t,
+        "--policy",
+        "latency",
+        "--index",
+        "precise",
+        "--gateways",
+        "2",
+        "--gateway-spread",
+        "by-group",
+        "--kv-interval-ms",
+        "200",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(
+            "2 gateways, each group's requests to one of them, each with its own precise belief"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
 fn simulate_splits_prefill_from_decode_and_compares_with_aggregated_serving() {
     let trace = temp("split-long.jsonl");
     let out = prefixroute(&[
