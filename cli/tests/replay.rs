@@ -276,3 +276,44 @@ fn requests_out_has_one_line_per_request_whose_usage_adds_up_to_the_report() {
         "nothing was sent"
     );
 }
+
+/// Two URLs (two servers standing in for two gateways): in turn, every tenant's requests land
+/// on both; by group, each tenant's on one (session affinity, the simulator's
+/// `--gateway-spread by-group` mapping).
+#[test]
+fn several_urls_take_requests_in_turn_or_each_group_on_one() {
+    let trace = write_trace("spread.jsonl");
+    let a = FakeServer::start("a", &[]);
+    let b = FakeServer::start("b", &[]);
+    let run = |spread: &str| {
+        json_of(&replay(
+            &trace,
+            &[
+                "--url",
+                &a.url(),
+                "--url",
+                &b.url(),
+                "--url-spread",
+                spread,
+                "--json",
+            ],
+        ))
+    };
+    let in_turn = run("in-turn");
+    assert_eq!(
+        in_turn["endpoints"],
+        serde_json::json!({ "a": REQUESTS / 2, "b": REQUESTS / 2 })
+    );
+    // (A tenant whose requests all fell on even indexes stays on one.)
+    assert!(
+        in_turn["groups_on_one_endpoint"]["single"]
+            .as_u64()
+            .unwrap()
+            < 3
+    );
+    let by_group = run("by-group");
+    let groups = &by_group["groups_on_one_endpoint"];
+    assert_eq!(groups["groups"], 3);
+    assert_eq!(groups["single"], 3);
+    assert_eq!(by_group["succeeded"], REQUESTS);
+}
