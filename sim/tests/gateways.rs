@@ -2,6 +2,9 @@
 //! own router, belief and ledger, as separate Envoys do, and requests go to them in turn. The
 //! trace and fleet are `bench/gateways.py`'s, whose real-Envoy runs these mirror.
 
+mod common;
+
+use common::{sweep_conversations, sweep_fleet};
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{GatewaySpread, SimConfig, SimReport, Simulation};
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
@@ -103,29 +106,13 @@ fn precise_gateways_keep_most_of_one_gateways_hit_rate_and_approximate_ones_do_n
 /// spreading their turns costs them.
 #[test]
 fn approximate_gateways_with_session_affinity_keep_conversations_together() {
-    let trace = TraceSpec {
-        shape: TraceShape::Conversations,
-        tenants: 24,
-        prompt_words: 150,
-        question_words: 30,
-        rate: 20.0,
-        requests: 400,
-        seed: 13,
-        ..TraceSpec::default()
-    }
-    .generate()
-    .unwrap();
+    let trace = sweep_conversations();
     let report = |gateways, spread| {
         let mut config = SimConfig {
-            replicas: 6,
-            cache_blocks: 900,
             gateways,
             spread,
-            ..SimConfig::default()
+            ..sweep_fleet(0.5)
         };
-        config.timing.lanes = 4;
-        config.timing.decode_ms_per_token = 0.0;
-        config.timing.prefill_ms_per_token = 0.5;
         config.router.policy = Policy::Latency;
         let mut sim = Simulation::new(&trace, config).unwrap();
         sim.run();

@@ -12,8 +12,12 @@
 //!
 //! The simulator is deterministic, so these are exact properties of this code, not timings.
 
+mod common;
+
+use common::{spec, sweep_conversations, sweep_fleet};
 use prefixroute_core::config::Policy;
 use prefixroute_sim::simulation::{simulate, upper_bound, SimConfig, SimReport};
+use prefixroute_sim::summary::max_over_mean;
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 /// The issue's traces: 200 requests at 20/s, seed 5.
@@ -43,15 +47,6 @@ fn run(trace: &[TraceRecord], config: SimConfig, policy: Policy) -> SimReport {
     let mut config = config;
     config.router.policy = policy;
     simulate(trace, config).unwrap()
-}
-
-/// The sweep's fleet for the mixed and conversations traces: six replicas of 900 blocks (the
-/// issue's 4 lanes, no decode time) at `ms_per_token` per uncached token.
-fn sweep_fleet(ms_per_token: f64) -> SimConfig {
-    let mut config = fleet(900);
-    config.replicas = 6;
-    config.timing.prefill_ms_per_token = ms_per_token;
-    config
 }
 
 /// `report`'s hit rate is at least `share` of the upper bound's.
@@ -160,15 +155,13 @@ fn the_upper_bound_is_one_server_that_never_evicts() {
 /// at 99.6%, at every prefill cost: issue 10's max/mean ≤ 1.3.
 #[test]
 fn conversations_that_start_together_are_spread_by_their_second_requests() {
-    let trace = spec(TraceShape::Conversations, 24, 150, 30, 400, 13)
-        .generate()
-        .unwrap();
+    let trace = sweep_conversations();
     for cost in [0.1, 0.5, 1.0] {
         let config = sweep_fleet(cost);
         let bound = upper_bound(&trace, config).unwrap();
         let latency = run(&trace, config, Policy::Latency);
         assert_hit_share(&latency, &bound, 0.99);
-        let spread = max_over_mean(&latency);
+        let spread = max_over_mean(&latency.requests_per_replica);
         assert!(
             spread <= 1.3,
             "{cost} ms/token: max/mean {spread:.2}: {:?}",
@@ -208,28 +201,6 @@ fn homes(report: &SimReport) -> std::collections::BTreeSet<usize> {
         .collect()
 }
 
-/// `prefixroute trace --shape SHAPE --tenants GROUPS --prompt-words P --question-words Q
-/// --rate 20 --requests N --seed SEED`, generated with [`TraceSpec::generate`].
-fn spec(
-    shape: TraceShape,
-    groups: usize,
-    prompt_words: usize,
-    question_words: usize,
-    requests: usize,
-    seed: u64,
-) -> TraceSpec {
-    TraceSpec {
-        shape,
-        tenants: groups,
-        prompt_words,
-        question_words,
-        rate: 20.0,
-        requests,
-        seed,
-        ..TraceSpec::default()
-    }
-}
-
 /// Asserts that `latency` routes `trace` at the upper bound: hit rate at least `hit` of its
 /// and TTFT p95 at most `p95` times its.
 fn at_the_upper_bound(trace: &[TraceRecord], config: SimConfig, hit: f64, p95: f64) -> SimReport {
@@ -262,11 +233,7 @@ fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
     let mut trace = spec(TraceShape::Tenants, 24, 600, 40, 400, 11)
         .generate()
         .unwrap();
-    trace.extend(
-        spec(TraceShape::Conversations, 24, 150, 30, 400, 13)
-            .generate()
-            .unwrap(),
-    );
+    trace.extend(sweep_conversations());
     trace.sort_by(|a, b| a.t.total_cmp(&b.t));
     for cost in [0.1, 0.5] {
         let mut config = fleet(900);
@@ -274,7 +241,7 @@ fn tenants_and_conversations_on_one_gateway_are_routed_at_the_upper_bound() {
         config.timing.prefill_ms_per_token = cost;
         let latency = at_the_upper_bound(&trace, config, 0.99, 1.25);
         moves_only_after_one_request(&latency);
-        let spread = max_over_mean(&latency);
+        let spread = max_over_mean(&latency.requests_per_replica);
         assert!(spread <= 1.3, "max/mean {spread:.2} at {cost} ms/token");
     }
 }
@@ -305,15 +272,8 @@ fn conversations_with_a_long_shared_prompt_do_not_queue_behind_it() {
     let latency = at_the_upper_bound(&trace, config, 0.99, 1.25);
     moves_only_after_one_request(&latency);
     assert_eq!(homes(&latency).len(), 8, "{:?}", latency.group_replicas);
-    let spread = max_over_mean(&latency);
+    let spread = max_over_mean(&latency.requests_per_replica);
     assert!(spread <= 1.4, "max/mean {spread:.2}");
-}
-
-/// Busiest replica's requests over the mean.
-fn max_over_mean(report: &SimReport) -> f64 {
-    let r = &report.requests_per_replica;
-    let mean = r.iter().sum::<usize>() as f64 / r.len() as f64;
-    *r.iter().max().unwrap() as f64 / mean
 }
 
 /// A gateway that runs for a long time: the sweep's `mixed` fleet (16 tenants' questions and
@@ -341,7 +301,7 @@ fn a_long_lived_gateway_whose_conversations_end_stays_at_the_upper_bound() {
     assert!(trace.iter().any(|r| r.group == "conv-0.10"), "slots reused");
     for cost in [0.1, 1.0] {
         let latency = at_the_upper_bound(&trace, sweep_fleet(cost), 0.99, 1.05);
-        let spread = max_over_mean(&latency);
+        let spread = max_over_mean(&latency.requests_per_replica);
         assert!(spread <= 1.4, "max/mean {spread:.2} at {cost} ms/token");
     }
 }

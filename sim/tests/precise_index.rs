@@ -1,8 +1,12 @@
 //! `index: precise` in the simulator: the replicas publish what their caches do and the
 //! router's belief follows, against the router's own approximate belief, on one trace.
 
+mod common;
+
+use common::{sweep_conversations, sweep_fleet};
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{BeliefCheck, SimConfig, Simulation};
+use prefixroute_sim::summary::max_over_mean;
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 /// 24 tenants through caches that hold about half of them, whose size the replicas do not
@@ -88,28 +92,12 @@ fn the_precise_belief_holds_every_block_the_replicas_hold_and_believes_no_evicte
 /// piled them next to the system prompt (max/mean 4.12, one replica 275 of 400 requests).
 #[test]
 fn a_precise_belief_knows_the_reported_capacity_so_growing_conversations_spread() {
-    let trace = TraceSpec {
-        shape: TraceShape::Conversations,
-        tenants: 24,
-        prompt_words: 150,
-        question_words: 30,
-        rate: 20.0,
-        requests: 400,
-        seed: 13,
-        ..TraceSpec::default()
-    }
-    .generate()
-    .unwrap();
+    let trace = sweep_conversations();
     let report = |index| {
         let mut config = SimConfig {
-            replicas: 6,
-            cache_blocks: 900,
             index,
-            ..SimConfig::default()
+            ..sweep_fleet(0.5)
         };
-        config.timing.lanes = 4;
-        config.timing.decode_ms_per_token = 0.0;
-        config.timing.prefill_ms_per_token = 0.5;
         config.router.policy = Policy::Latency;
         let mut sim = Simulation::new(&trace, config).unwrap();
         sim.run();
@@ -117,9 +105,7 @@ fn a_precise_belief_knows_the_reported_capacity_so_growing_conversations_spread(
     };
     let (precise, approximate) = (report(IndexMode::Precise), report(IndexMode::Approximate));
     let per = &precise.requests_per_replica;
-    let mean = per.iter().sum::<usize>() as f64 / per.len() as f64;
-    let max = *per.iter().max().unwrap() as f64;
-    assert!(max / mean <= 1.3, "requests per replica {per:?}");
+    assert!(max_over_mean(per) <= 1.3, "requests per replica {per:?}");
     assert!(
         precise.hit_rate >= approximate.hit_rate - 0.005,
         "precise {:.3}, approximate {:.3}",
