@@ -347,6 +347,18 @@ fn bad_flags_and_files_exit_2_with_one_clear_line() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// `simulate TRACE FLAGS` exits 2 with `message` and no panic; its stderr.
+fn simulate_refuses(trace: &str, flags: &[&str], message: &str) -> String {
+    let mut args = vec!["simulate", trace];
+    args.extend(flags);
+    let out = prefixroute(&args);
+    assert_eq!(out.status.code(), Some(2), "{flags:?}");
+    let err = stderr(&out);
+    assert!(err.contains(message), "{flags:?}: {err}");
+    assert!(!err.contains("panicked"));
+    err
+}
+
 #[test]
 fn bad_prefill_decode_flags_exit_2_with_one_clear_error() {
     let trace = temp("split.jsonl");
@@ -397,13 +409,7 @@ fn bad_prefill_decode_flags_exit_2_with_one_clear_error() {
             "cannot be used with",
         ),
     ] {
-        let mut args = vec!["simulate", t];
-        args.extend(&flags);
-        let out = prefixroute(&args);
-        assert_eq!(out.status.code(), Some(2), "{flags:?}");
-        let err = stderr(&out);
-        assert!(err.contains(message), "{flags:?}: {err}");
-        assert!(!err.contains("panicked"));
+        let err = simulate_refuses(t, &flags, message);
         if !message.contains("cannot be used") {
             assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
         }
@@ -442,13 +448,7 @@ fn bad_gateway_flags_exit_2_with_one_clear_line() {
             "error: --gateways is not supported with --prefill-replicas",
         ),
     ] {
-        let mut args = vec!["simulate", t];
-        args.extend(&flags);
-        let out = prefixroute(&args);
-        assert_eq!(out.status.code(), Some(2), "{flags:?}");
-        let err = stderr(&out);
-        assert!(err.contains(message), "{flags:?}: {err}");
-        assert!(!err.contains("panicked"));
+        simulate_refuses(t, &flags, message);
     }
     // Two gateways, each group through one, with a delayed feed: a table with the note.
     let out = prefixroute(&[
