@@ -65,8 +65,8 @@ pub struct Args {
     #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
     /// Gateways in front of the fleet, each with its own belief and ledger (separate Envoys
-    /// share nothing); requests go to them in turn. With `--index precise` every gateway
-    /// reads the replicas' events.
+    /// share nothing); requests reach them as `--gateway-spread` says. With `--index precise`
+    /// every gateway reads the replicas' events.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     gateways: u64,
     /// How requests reach the gateways: `in-turn` (request i to gateway i mod N; a
