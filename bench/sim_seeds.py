@@ -10,6 +10,8 @@ over the mean. Deterministic: the same binaries and seeds print the same numbers
 
     python3 bench/sim_seeds.py --prefixroute before=OLD/prefixroute --prefixroute after=NEW/prefixroute
     python3 bench/sim_seeds.py --prefixroute now=target/release/prefixroute --scenarios mixed,long --seeds 21-28
+    python3 bench/sim_seeds.py --prefixroute now=... --costs 0.5 \
+        --simulate-args '--gateways 2 --index precise --kv-interval-ms 200'
 
 Standard library only; runs the binaries, never a network.
 """
@@ -17,6 +19,7 @@ Standard library only; runs the binaries, never a network.
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,13 +63,13 @@ def trace(binary, scenario, seed, out):
     subprocess.run(args, check=True, capture_output=True)
 
 
-def simulate(binary, path, scenario, cost):
+def simulate(binary, path, scenario, cost, extra=()):
     sc = SWEEP_SCENARIOS[scenario]
     out = subprocess.run(
         [binary, "simulate", path, "--policy", "latency", "--replicas", str(sc["replicas"]),
          "--cache-blocks", str(sc["kv_blocks"]), "--slots", str(sc["lanes"]),
          "--block-size", "16", "--decode-ms-per-token", "0",
-         "--prefill-ms-per-token", str(cost), "--json"],
+         "--prefill-ms-per-token", str(cost), "--json", *extra],
         check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
     bound, ours = report["upper_bound"], report["policies"][0]
@@ -81,7 +84,14 @@ def main():
     p.add_argument("--prefixroute", action="append", required=True, metavar="NAME=PATH")
     p.add_argument("--scenarios", default="mixed,conversations,long")
     p.add_argument("--seeds", default="21-28", help="a range, e.g. 21-28")
+    p.add_argument("--costs", default=",".join(map(str, COSTS)),
+                   help="prefill ms per uncached token, a comma list")
+    p.add_argument("--simulate-args", default="", metavar="ARGS",
+                   help="more `simulate` flags for every run, e.g. "
+                        "'--gateways 2 --index precise --kv-interval-ms 200'")
     args = p.parse_args()
+    extra = shlex.split(args.simulate_args)
+    costs = [float(c) for c in args.costs.split(",")]
     binaries = binaries_of(args.prefixroute)
     scenarios = choices_of(args.scenarios, SWEEP_SCENARIOS, "scenario")
     seeds = seeds_of(args.seeds)
@@ -94,10 +104,10 @@ def main():
                 path = os.path.join(tmp, f"{scenario}-{seed}.jsonl")
                 trace(binaries[0][1], scenario, seed, path)
                 paths.append(path)
-            for cost in COSTS:
+            for cost in costs:
                 cells = []
                 for name, binary in binaries:
-                    rows = [simulate(binary, path, scenario, cost) for path in paths]
+                    rows = [simulate(binary, path, scenario, cost, extra) for path in paths]
                     hit, p95, spread = zip(*rows)
                     cells.append(
                         f"{name}: {statistics.mean(hit) * 100:5.1f}% ({min(hit) * 100:5.1f}) "

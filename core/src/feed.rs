@@ -4,7 +4,9 @@
 //! Binary and little-endian, like the plugin's shared-data records, so the plugin reads it
 //! without a JSON parser: `magic "PRKV" | layout u8 | version u64 | flags u8 (1 = reset) | n u16 |
 //! n × (address str | flags u8 (1 = live, 2 = cleared) | stored u32 | stored × u64 | removed u32
-//! | removed × u64)`, a `str` being `len u16 | UTF-8`. `reset` means the page is a full snapshot
+//! | removed × u64 | runs u32 | runs × (parent u64 | end u64 | blocks u32))`, a `str` being
+//! `len u16 | UTF-8`, a parent of 0 meaning none. Layout 1, a relay from before runs, is the
+//! same without them and still read. `reset` means the page is a full snapshot
 //! (the fetcher was too far behind): forget everything from the relay first. A server's
 //! `cleared` means it lost everything before this page's `stored`; `live` is false while the
 //! relay has no events from it (then its truth is unknown, not empty).
@@ -12,7 +14,9 @@
 use thiserror::Error;
 
 const MAGIC: &[u8; 4] = b"PRKV";
-const LAYOUT: u8 = 1;
+const LAYOUT: u8 = 2;
+/// The layout before [`FeedServer::runs`]: read (with no runs), never written.
+const LAYOUT_WITHOUT_RUNS: u8 = 1;
 const RESET: u8 = 1;
 const LIVE: u8 = 1;
 const CLEARED: u8 = 2;
@@ -25,6 +29,20 @@ pub struct FeedServer {
     pub cleared: bool,
     pub stored: Vec<u64>,
     pub removed: Vec<u64>,
+    /// The blocks each `BlockStored` event stored, as one run per event, in order: one
+    /// request's new full blocks (a prompt prefilled in one step), so its last block is where
+    /// that request ended. A gateway learns from them the requests other gateways routed (see
+    /// `Router::learn_stored`).
+    pub runs: Vec<StoredRun>,
+}
+
+/// The blocks one `BlockStored` event stored on a server: they continue the chain after
+/// `parent` (`None`: they start one) and the last is `end`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoredRun {
+    pub parent: Option<u64>,
+    pub end: u64,
+    pub blocks: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +69,11 @@ impl FeedPage {
             16 + self
                 .servers
                 .iter()
-                .map(|s| 16 + s.address.len() + 8 * (s.stored.len() + s.removed.len()))
+                .map(|s| {
+                    20 + s.address.len()
+                        + 8 * (s.stored.len() + s.removed.len())
+                        + 20 * s.runs.len()
+                })
                 .sum::<usize>(),
         );
         out.extend_from_slice(MAGIC);
@@ -72,6 +94,13 @@ impl FeedPage {
                     out.extend_from_slice(&h.to_le_bytes());
                 }
             }
+            let runs = &s.runs[..s.runs.len().min(u32::MAX as usize)];
+            out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
+            for run in runs {
+                out.extend_from_slice(&run.parent.unwrap_or(0).to_le_bytes());
+                out.extend_from_slice(&run.end.to_le_bytes());
+                out.extend_from_slice(&run.blocks.to_le_bytes());
+            }
         }
         out
     }
@@ -80,9 +109,14 @@ impl FeedPage {
     /// accounts for.
     pub fn decode(bytes: &[u8]) -> Result<FeedPage, FeedError> {
         let mut r = Cursor(bytes);
-        if r.take(4)? != MAGIC || r.u8()? != LAYOUT {
+        if r.take(4)? != MAGIC {
             return Err(FeedError::Foreign);
         }
+        let with_runs = match r.u8()? {
+            LAYOUT => true,
+            LAYOUT_WITHOUT_RUNS => false,
+            _ => return Err(FeedError::Foreign),
+        };
         let version = r.u64()?;
         let reset = r.u8()? & RESET != 0;
         let n = r.u16()? as usize;
@@ -105,12 +139,25 @@ impl FeedPage {
                 }
             }
             let [stored, removed] = lists;
+            let count = if with_runs { r.u32()? as usize } else { 0 };
+            if r.0.len() / 20 < count {
+                return Err(FeedError::Truncated);
+            }
+            let mut runs = Vec::with_capacity(count);
+            for _ in 0..count {
+                runs.push(StoredRun {
+                    parent: Some(r.u64()?).filter(|&p| p != 0),
+                    end: r.u64()?,
+                    blocks: r.u32()?,
+                });
+            }
             servers.push(FeedServer {
                 address,
                 live: flags & LIVE != 0,
                 cleared: flags & CLEARED != 0,
                 stored,
                 removed,
+                runs,
             });
         }
         Ok(FeedPage {
@@ -166,6 +213,18 @@ mod tests {
                     cleared: false,
                     stored: vec![1, u64::MAX],
                     removed: vec![9],
+                    runs: vec![
+                        StoredRun {
+                            parent: None,
+                            end: 1,
+                            blocks: 1,
+                        },
+                        StoredRun {
+                            parent: Some(1),
+                            end: u64::MAX,
+                            blocks: 1,
+                        },
+                    ],
                 },
                 FeedServer {
                     address: "[::1]:8000".into(),
@@ -173,6 +232,7 @@ mod tests {
                     cleared: true,
                     stored: vec![],
                     removed: vec![],
+                    runs: vec![],
                 },
             ],
         }
@@ -203,5 +263,32 @@ mod tests {
         let at = 4 + 1 + 8 + 1 + 2 + 2 + 3 + 1;
         bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(FeedPage::decode(&bytes), Err(FeedError::Truncated));
+        // So is a huge run count: the last 4 bytes of a server with empty lists.
+        let mut bytes = FeedPage {
+            version: 1,
+            reset: false,
+            servers: vec![FeedServer::default()],
+        }
+        .encode();
+        let at = bytes.len() - 4;
+        bytes[at..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(FeedPage::decode(&bytes), Err(FeedError::Truncated));
+    }
+
+    #[test]
+    fn a_page_from_a_relay_before_runs_is_read_without_them() {
+        let mut old = page();
+        for s in &mut old.servers {
+            s.runs.clear();
+        }
+        // Layout 1 is layout 2 without the run counts, each the 4 bytes after a server's lists.
+        let mut bytes = old.encode();
+        bytes[4] = LAYOUT_WITHOUT_RUNS;
+        let first = 4 + 1 + 8 + 1 + 2 + 2 + "10.0.0.1:8000".len() + 1 + 4 + 16 + 4 + 8;
+        bytes.drain(first..first + 4);
+        bytes.truncate(bytes.len() - 4);
+        assert_eq!(FeedPage::decode(&bytes), Ok(old));
+        bytes[4] = 3;
+        assert_eq!(FeedPage::decode(&bytes), Err(FeedError::Foreign));
     }
 }

@@ -10,6 +10,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::feed::StoredRun;
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore, Turn};
 use crate::latency::{
@@ -748,6 +749,37 @@ impl<S: PrefixStore> Router<S> {
         Some(committed)
     }
 
+    /// Believes a server's own report of a run of blocks it stored ([`StoredRun`]: new full
+    /// blocks after `parent`) ended a request there: with `index: precise` every gateway reads
+    /// every server's events, so it sees where the requests the other gateways routed ended.
+    /// Call after the store believes the blocks. The run's last block gets an end mark (a
+    /// request whose own end was marked already, this router's, keeps it), of the turn after
+    /// its parent's mark: a run that continues an end continues that request's group. So a
+    /// conversation's next turn continues the turn another gateway routed, as
+    /// [`PrefixStore::continues`] sees it, and its gap is measured from when the run was read.
+    /// Without this, two gateways taking turns each see every other turn of a conversation and
+    /// price growth two turns long (docs/benchmarks.md, "Several gateways").
+    ///
+    /// Only the marks: how often groups continue and how much they grow is still learned from
+    /// this router's own requests, because a run is not always a request (vLLM reports a
+    /// prompt prefilled in chunks, and every block its decoding fills, as runs of their own;
+    /// each would count as a request that continued the one before). Returns whether the run
+    /// ended a request this router did not know.
+    pub fn mark_stored(&mut self, endpoint: usize, run: &StoredRun) -> bool {
+        if endpoint >= self.endpoints
+            || run.blocks == 0
+            || self.store.continues(endpoint, &[run.end], 1).is_some()
+        {
+            return false;
+        }
+        let continued = run
+            .parent
+            .and_then(|p| self.store.continues(endpoint, &[p], 1));
+        self.store.mark_end(endpoint, run.end, Turn::of(continued));
+        self.ends.insert(run.end, self.now_ms);
+        true
+    }
+
     /// How long ago the request this one continues was committed, ms, if the router still
     /// remembers it ([`RecentEnds`]): its believed match on the endpoint it continues ends at
     /// that request's last full block. Measured for one-chain requests (every chat request;
@@ -1400,6 +1432,63 @@ mod tests {
         let third = hashes("aa bb cc dd ee ff gg hh");
         let m3 = r.believed_matches(&third);
         assert_eq!(m3.continues[d2.endpoint], Some(Turn::Later));
+    }
+
+    #[test]
+    fn a_run_another_gateway_routed_marks_where_its_request_ended() {
+        // Two gateways take turns with one conversation: this one routed turns one and three,
+        // the other turn two, which this one sees only as the server's run of stored blocks.
+        let mut r = router(Policy::Latency, 2);
+        let first = hashes("aa bb cc dd ");
+        r.set_now(1_000.0);
+        let d = r.pick(&first, &idle(2)).unwrap();
+        r.commit(&d, &first);
+        let e = d.endpoint;
+        let [chain] = hashes("aa bb cc dd ee ff ").chains.try_into().unwrap();
+        let second = StoredRun {
+            parent: Some(chain[1]),
+            end: chain[2],
+            blocks: 1,
+        };
+        r.store_mut().record(e, &chain);
+        let third = hashes("aa bb cc dd ee ff gg hh");
+        assert_eq!(
+            r.believed_matches(&third).continues[e],
+            None,
+            "without the mark, turn three looks like a new group's request"
+        );
+        r.set_now(1_500.0);
+        assert!(r.mark_stored(e, &second));
+        let m = r.believed_matches(&third);
+        assert_eq!(m.continues[e], Some(Turn::Later), "it continued turn one");
+        // Turn three's gap is measured from when the run was read.
+        r.set_now(2_000.0);
+        let d3 = r.pick(&third, &idle(2)).unwrap();
+        assert_eq!(d3.endpoint, e);
+        assert_eq!(r.continued_gap_ms(&d3, &third), Some(500.0));
+        // The run of this gateway's own request is known, and one on an endpoint it does not
+        // have, or of no blocks, is ignored.
+        r.commit(&d3, &third);
+        let [chain3] = third.chains.try_into().unwrap();
+        let own = StoredRun {
+            parent: Some(chain3[2]),
+            end: chain3[3],
+            blocks: 1,
+        };
+        assert!(!r.mark_stored(e, &own));
+        assert!(!r.mark_stored(7, &second));
+        assert!(!r.mark_stored(1 - e, &StoredRun::default()));
+        // A run that starts a chain starts a group.
+        let other = hashes("zz yy ");
+        let [chain] = other.chains.try_into().unwrap();
+        r.store_mut().record(1 - e, &chain);
+        let start = StoredRun {
+            parent: None,
+            end: chain[0],
+            blocks: 1,
+        };
+        assert!(r.mark_stored(1 - e, &start));
+        assert_eq!(r.store().continues(1 - e, &chain, 1), Some(Turn::First));
     }
 
     #[test]

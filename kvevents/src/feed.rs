@@ -138,10 +138,12 @@ impl Feed {
                     }
                     s.removed.push(h);
                 }
+                Change::Run(run) => s.runs.push(run),
                 Change::Cleared => {
                     s.cleared = true;
                     s.stored.clear();
                     s.removed.clear();
+                    s.runs.clear();
                 }
             }
         }
@@ -165,7 +167,7 @@ impl Feed {
                     live: s.live,
                     cleared: true,
                     stored: s.truth.blocks().collect(),
-                    removed: Vec::new(),
+                    ..FeedServer::default()
                 })
                 .collect(),
         }
@@ -231,6 +233,9 @@ mod tests {
         // Coming up clears, then the two blocks.
         assert!(first.servers[0].cleared);
         assert_eq!(first.servers[0].stored.len(), 2);
+        // And each event's run: where its request ended.
+        let ends: Vec<u64> = first.servers[0].runs.iter().map(|r| r.end).collect();
+        assert_eq!(ends, first.servers[0].stored);
         f.apply(0, &removed(2, 1));
         f.apply(1, &stored(0, 9, vec![5, 6]));
         let next = f.page(first.version, 100);

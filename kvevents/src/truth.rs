@@ -16,6 +16,7 @@
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 
+use prefixroute_core::feed::StoredRun;
 use prefixroute_core::hashing::{block_hash, chain_seed};
 
 use crate::schema::{EngineHash, Event, Message};
@@ -24,6 +25,9 @@ use crate::schema::{EngineHash, Event, Message};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Change {
     Stored(u64),
+    /// The blocks one `BlockStored` event stored (after its `Stored` changes), when any was
+    /// new: where a request ended, for the gateways' end marks.
+    Run(StoredRun),
     Removed(u64),
     /// Everything it held is gone (AllBlocksCleared, a sequence gap, a restart).
     Cleared,
@@ -150,13 +154,24 @@ impl ServerTruth {
                         }
                     },
                 };
+                let mut run = StoredRun {
+                    parent: parent_block_hash.map(|_| parent),
+                    ..StoredRun::default()
+                };
+                let mut new = false;
                 for (engine, tokens) in block_hashes.iter().zip(token_ids.chunks(self.block_size)) {
                     parent = block_hash(tokens, parent);
+                    run.end = parent;
+                    run.blocks += 1;
                     if self.router_of.insert(*engine, parent).is_none() {
                         self.order.push_back(*engine);
                         self.counts.stored += 1;
                         changes.push(Change::Stored(parent));
+                        new = true;
                     }
+                }
+                if new {
+                    changes.push(Change::Run(run));
                 }
                 self.bound(changes);
             }
@@ -257,17 +272,36 @@ mod tests {
             &message(1, vec![stored(&[13], Some(12), tokens[8..].to_vec())]),
             &mut changes,
         );
+        // Each event's blocks, then the run they make: where it starts and ends, in router
+        // hashes, so a gateway can mark where that request ended.
+        let run = |parent, end, blocks| {
+            Change::Run(StoredRun {
+                parent,
+                end,
+                blocks,
+            })
+        };
         assert_eq!(
             changes,
-            expected
-                .iter()
-                .map(|&h| Change::Stored(h))
-                .collect::<Vec<_>>()
+            [
+                Change::Stored(expected[0]),
+                Change::Stored(expected[1]),
+                run(None, expected[1], 2),
+                Change::Stored(expected[2]),
+                run(Some(expected[1]), expected[2], 1),
+            ]
         );
         assert!(expected.iter().all(|&h| truth.holds(h)));
+        // An event that stores nothing new (a block stored again) makes no run.
+        changes.clear();
+        truth.apply(
+            &message(2, vec![stored(&[13], Some(12), tokens[8..].to_vec())]),
+            &mut changes,
+        );
+        assert_eq!(changes, []);
         truth.apply(
             &message(
-                2,
+                3,
                 vec![Event::BlockRemoved {
                     block_hashes: vec![EngineHash(13)],
                     medium: None,

@@ -282,7 +282,7 @@ impl Context for PluginRoot {
         };
         let now = abi::now_ms();
         if e.is_feed(token_id) {
-            let usable = e.feed_done(status, &body);
+            let usable = e.feed_done(status, &body, now);
             if !usable && !self.feed_warned {
                 self.feed_warned = true;
                 host::warn(&format!(

@@ -1019,7 +1019,7 @@ impl<H: SharedData> Scheduler<H> {
     /// A feed page came back: if no other instance applied a page since ours was asked for
     /// (the cursor still says `since`), move the cursor and write the page into the index.
     /// Returns false when the answer was unusable (counted).
-    pub fn feed_done(&mut self, status: Option<u32>, body: &[u8]) -> bool {
+    pub fn feed_done(&mut self, status: Option<u32>, body: &[u8], now_ms: u64) -> bool {
         let Some((_, _, since)) = self.feed_awaiting.take() else {
             return false;
         };
@@ -1049,16 +1049,19 @@ impl<H: SharedData> Scheduler<H> {
         if self.settle(outcome).is_none() {
             return true;
         }
+        self.router.set_now(now_ms as f64);
         self.apply_page(&page);
         true
     }
 
     /// Writes a feed page into the shared index: per server of the pool, whether its events
-    /// flow, a clear, its confirmed and removed blocks (one CAS per bucket touched).
+    /// flow, a clear, its confirmed and removed blocks (one CAS per bucket touched), and the
+    /// end marks of the requests other gateways routed (core's `Router::mark_stored`; they ride
+    /// on the confirmed blocks' writes).
     fn apply_page(&mut self, page: &FeedPage) {
         let (mut stored, mut removed, mut cleared, mut lost) = (0u64, 0u64, 0u32, 0u32);
-        let store = self.router.store_mut();
-        store.begin_request();
+        let mut ends = 0u64;
+        self.router.store_mut().begin_request();
         for server in &page.servers {
             let Some(endpoint) = self
                 .pool
@@ -1068,12 +1071,14 @@ impl<H: SharedData> Scheduler<H> {
             else {
                 continue;
             };
+            let store = self.router.store_mut();
             let was_precise = store.with_endpoint_state(endpoint, |s| s.precise);
             if was_precise && !server.live {
                 lost += 1;
             }
             let unchanged = server.stored.is_empty()
                 && server.removed.is_empty()
+                && server.runs.is_empty()
                 && !server.cleared
                 && was_precise == server.live;
             if unchanged {
@@ -1089,14 +1094,18 @@ impl<H: SharedData> Scheduler<H> {
                 &server.stored,
                 &server.removed,
             );
+            for run in &server.runs {
+                ends += u64::from(self.router.mark_stored(endpoint, run));
+            }
         }
-        let errors = store.end_request();
+        let errors = self.router.store_mut().end_request();
         self.count_shared(errors);
         self.events.push(Event::KvApplied {
             stored,
             removed,
             cleared,
             lost,
+            ends,
         });
     }
 

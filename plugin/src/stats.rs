@@ -89,6 +89,8 @@ pub enum Event {
         removed: u64,
         cleared: u32,
         lost: u32,
+        /// Requests other gateways routed whose ends the runs marked.
+        ends: u64,
     },
     /// An endpoint left the pool: its gauges go to zero (and `down` to 1) under its name.
     EndpointLeft(String),
@@ -244,11 +246,13 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             removed,
             cleared,
             lost,
+            ends,
         } => vec![
             counter("prefixroute.kv.stored".into(), *stored),
             counter("prefixroute.kv.removed".into(), *removed),
             counter("prefixroute.kv.cleared".into(), u64::from(*cleared)),
             counter("prefixroute.kv.lost".into(), u64::from(*lost)),
+            counter("prefixroute.kv.ends_marked".into(), *ends),
         ],
         Event::DiscoverySkipped(n) => vec![counter(
             "prefixroute.discovery.skipped_hosts".into(),

@@ -23,6 +23,7 @@ use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
 use prefixroute_core::config::IndexMode;
+use prefixroute_core::feed::StoredRun;
 use prefixroute_core::hashing::{hash_request, BlockHashes};
 use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
 use prefixroute_core::request::{parse_value, RequestError};
@@ -300,7 +301,8 @@ struct Fetched {
 
 #[derive(Clone)]
 enum FeedChange {
-    Stored(Vec<u64>),
+    /// A request's new full blocks, and where they start and end (the feed's run).
+    Stored(Vec<u64>, StoredRun),
     Evicted(u64),
 }
 
@@ -553,10 +555,15 @@ impl Simulation {
                 let Some(fetched) = g.feed.pop_front() else {
                     break;
                 };
-                let store = g.router.store_mut();
                 match fetched.change {
-                    FeedChange::Stored(hashes) => store.record_blocks(fetched.endpoint, &hashes),
-                    FeedChange::Evicted(h) => store.remove(fetched.endpoint, h),
+                    FeedChange::Stored(hashes, run) => {
+                        g.router.set_now(fetched.at_ms);
+                        g.router
+                            .store_mut()
+                            .record_blocks(fetched.endpoint, &hashes);
+                        g.router.mark_stored(fetched.endpoint, &run);
+                    }
+                    FeedChange::Evicted(h) => g.router.store_mut().remove(fetched.endpoint, h),
                 }
             }
         }
@@ -677,7 +684,13 @@ impl Simulation {
                         let Some((chain, _)) = prompts.get(p) else {
                             continue;
                         };
-                        FeedChange::Stored(chain[first..first + len].to_vec())
+                        let stored = chain[first..first + len].to_vec();
+                        let run = StoredRun {
+                            parent: first.checked_sub(1).map(|p| chain[p]),
+                            end: stored.last().copied().unwrap_or_default(),
+                            blocks: len as u32,
+                        };
+                        FeedChange::Stored(stored, run)
                     }
                     crate::replica::CacheChange::Evicted(h) => FeedChange::Evicted(h),
                 };

@@ -4,8 +4,9 @@
 use super::*;
 use crate::shared::MemShared;
 use prefixroute_core::config::EndpointConfig;
-use prefixroute_core::feed::FeedServer;
+use prefixroute_core::feed::{FeedServer, StoredRun};
 use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::index::{PrefixStore, Turn};
 
 fn config(index: IndexMode, speculative_blocks: u64) -> PluginConfig {
     let mut c = PluginConfig {
@@ -53,6 +54,7 @@ fn server(e: usize, live: bool, stored: Vec<u64>, removed: Vec<u64>) -> FeedServ
         cleared: false,
         stored,
         removed,
+        runs: Vec::new(),
     }
 }
 
@@ -67,7 +69,7 @@ fn feed(w: &mut Scheduler<MemShared>, now: u64, servers: Vec<FeedServer>, versio
         reset: false,
         servers,
     };
-    assert!(w.feed_done(Some(200), &page.encode()));
+    assert!(w.feed_done(Some(200), &page.encode(), now));
 }
 
 fn matched(c: &Choice) -> usize {
@@ -200,10 +202,10 @@ fn a_bad_or_failed_feed_changes_nothing_and_a_second_fetcher_defers_to_the_lease
         "one fetch per interval across workers"
     );
     w1.feed_sent(1);
-    assert!(!w1.feed_done(Some(200), b"<html>"));
+    assert!(!w1.feed_done(Some(200), b"<html>", 0));
     assert!(w1.claim_feed(300).is_some());
     w1.feed_sent(2);
-    assert!(!w1.feed_done(Some(503), b""));
+    assert!(!w1.feed_done(Some(503), b"", 0));
     let events = w1.drain_events();
     assert!(events.contains(&Event::KvFeed(CalloutEnd::Unparseable)));
     assert!(events.contains(&Event::KvFeed(CalloutEnd::Failed)));
@@ -211,4 +213,87 @@ fn a_bad_or_failed_feed_changes_nothing_and_a_second_fetcher_defers_to_the_lease
     // Approximate mode never fetches.
     let mut a = Scheduler::new(host, config(IndexMode::Approximate, 64));
     assert!(a.claim_feed(10_000).is_none());
+}
+
+fn conversation(turns: &[&str]) -> Vec<u8> {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": SYSTEM})];
+    for (i, text) in turns.iter().enumerate() {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        messages.push(serde_json::json!({"role": role, "content": text}));
+    }
+    serde_json::json!({"model": "m", "messages": messages})
+        .to_string()
+        .into_bytes()
+}
+
+/// Whether `body`'s believed match on `endpoint` continues an earlier request there.
+fn continues(w: &mut Scheduler<MemShared>, endpoint: usize, body: &[u8]) -> Option<Turn> {
+    let chain = full_blocks(body);
+    let store = w.router.store_mut();
+    store.begin_request();
+    let turn = store.continues(endpoint, &chain, chain.len());
+    let _ = store.end_request();
+    turn
+}
+
+#[test]
+fn a_run_of_blocks_marks_where_a_request_another_gateway_routed_ended() {
+    // This gateway routed a conversation's first turn; another gateway (its own shared data)
+    // routed the second, which this one learns of only from the server's events.
+    let host = MemShared::new();
+    let mut w = Scheduler::new(host.clone(), config(IndexMode::Precise, 4096));
+    let first = conversation(&["first question with a few more words"]);
+    let e = w.route(&first, 0).endpoint;
+    let second = conversation(&[
+        "first question with a few more words",
+        "an answer the model gave, long enough to fill a block or two",
+        "second question",
+    ]);
+    let (held, all) = (full_blocks(&first), full_blocks(&second));
+    assert_eq!(
+        all[..held.len()],
+        held[..],
+        "the second turn extends the first"
+    );
+    let new = all[held.len()..].to_vec();
+    let run = StoredRun {
+        parent: held.last().copied(),
+        end: *all.last().unwrap(),
+        blocks: new.len() as u32,
+    };
+    let mut page = server(e, true, new.clone(), vec![]);
+    feed(&mut w, 10, vec![page.clone()], 5);
+    assert_eq!(
+        continues(&mut w, e, &second),
+        None,
+        "the blocks alone (a relay before runs): the second turn's end is unknown here"
+    );
+    page.stored.clear();
+    page.runs = vec![run];
+    w.clear_events();
+    feed(&mut w, 400, vec![page], 6);
+    assert_eq!(
+        continues(&mut w, e, &second),
+        Some(Turn::Later),
+        "with the run: it continued the first turn, so the third continues a later one"
+    );
+    assert!(w
+        .events()
+        .iter()
+        .any(|ev| matches!(ev, Event::KvApplied { ends: 1, .. })));
+    // This gateway's own request is known: its run marks nothing more.
+    let own = StoredRun {
+        parent: None,
+        end: *held.last().unwrap(),
+        blocks: held.len() as u32,
+    };
+    let mut page = server(e, true, vec![], vec![]);
+    page.runs = vec![own];
+    w.clear_events();
+    feed(&mut w, 800, vec![page], 7);
+    assert!(w
+        .events()
+        .iter()
+        .any(|ev| matches!(ev, Event::KvApplied { ends: 0, .. })));
+    assert_eq!(continues(&mut w, e, &first), Some(Turn::First));
 }
