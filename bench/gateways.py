@@ -13,7 +13,7 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--shape tenants|conversations] [--spread in-turn|by-group] [--requests N]
+usage: bench/gateways.py [--shape tenants|conversations|mixed] [--spread in-turn|by-group] [--requests N]
                         [--policy P] [--kv-interval-ms MS]
                         [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
@@ -51,6 +51,12 @@ SHAPES = {
     "conversations": {
         "trace": ["--shape", "conversations", "--tenants", "24", "--prompt-words", "150",
                   "--question-words", "30", "--rate", "20", "--seed", "13"],
+        "replicas": 6, "kv_blocks": 900,
+    },
+    # The sweep's mixed: 16 tenants' questions and 16 conversations sharing a system prompt.
+    "mixed": {
+        "trace": ["--shape", "mixed", "--tenants", "16", "--prompt-words", "400",
+                  "--question-words", "30", "--rate", "20", "--seed", "16"],
         "replicas": 6, "kv_blocks": 900,
     },
 }
@@ -137,7 +143,7 @@ def run(work, gateways, index, trace):
         status, body = get(f"http://127.0.0.1:{relay}/stats")
         return status == 200 and all(s["messages"] > 0 for s in json.loads(body)["servers"])
     wait("relay subscriptions", heard)
-    urls = []
+    urls, admins = [], []
     for g in range(gateways):
         port, admin = free_port(), free_port()
         argv = [CLI, "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
@@ -150,6 +156,7 @@ def run(work, gateways, index, trace):
         spawn(argv, work / f"envoy-{g}.log")
         wait(f"gateway {g}", lambda: get(f"http://127.0.0.1:{admin}/ready")[0] == 200)
         urls.append(f"http://127.0.0.1:{port}")
+        admins.append(admin)
     time.sleep(2.5)  # the first discovery, scrapes and feed fetches
     argv = [CLI, "replay", trace, "--json", "--no-progress", "--timeout-s", "60",
             "--url-spread", SPREAD]
@@ -158,6 +165,11 @@ def run(work, gateways, index, trace):
     for name, port, _ in fleet:
         argv += ["--metrics", f"{name}=http://127.0.0.1:{port}"]
     out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True)
+    # Requests another gateway routed whose ends a gateway's feed marked (precise only).
+    ends_marked = 0
+    for admin in admins:
+        _, body = get(f"http://127.0.0.1:{admin}/stats?filter=kv.ends_marked")
+        ends_marked += sum(int(v) for v in re.findall(rb"kv\.ends_marked: (\d+)", body))
     stop_all()
     report = json.loads(out.stdout)
     served = list(report["endpoints"].values())
@@ -173,6 +185,7 @@ def run(work, gateways, index, trace):
                          f'{report["groups_on_one_endpoint"]["groups"]}',
         # Requests on the busiest replica over the mean (replicas that got none count).
         "max_mean": max(served) * REPLICAS / sum(served) if sum(served) else None,
+        "ends_marked": ends_marked,
     }
 
 
@@ -215,12 +228,12 @@ def main():
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
           f"feed fetched every {KV_INTERVAL_MS} ms, requests to the gateways {SPREAD}\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
-          f"  groups on one  max/mean")
+          f"  groups on one  max/mean  ends marked")
     for r in rows:
         balance = f"{r['max_mean']:.2f}" if r["max_mean"] is not None else "-"
         print(f"{r['index']:<12} {r['gateways']:>8} {r['errors']:>6} {100 * r['hit_rate']:>8.1f}%"
               f" {r['latency_p50_ms']:>6.1f} ms {r['latency_p95_ms']:>6.1f} ms"
-              f"  {r['groups_on_one']:>13}  {balance:>8}")
+              f"  {r['groups_on_one']:>13}  {balance:>8}  {r['ends_marked']:>11}")
     by = {(r["index"], r["gateways"]): r["hit_rate"] for r in rows}
     for index in [args.only] if args.only else ("approximate", "precise"):
         drop = 100 * (by[(index, 1)] - by[(index, 2)])
