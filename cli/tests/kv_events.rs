@@ -222,6 +222,15 @@ fn the_relay_serves_each_servers_blocks_in_the_routers_own_hashes() {
             server_a.stored
         );
     }
+    // The request's blocks came in one event: one run, from the chain's start to its end, so
+    // a gateway that did not route it learns where it ended.
+    assert!(
+        server_a.runs.iter().any(|r| r.parent.is_none()
+            && r.end == *expected.last().unwrap()
+            && r.blocks as usize == expected.len()),
+        "{:x?}",
+        server_a.runs
+    );
     let server_b = page
         .servers
         .iter()
