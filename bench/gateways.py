@@ -14,7 +14,7 @@ The hit rate comes from the replicas' own counters (`prefixroute replay --metric
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
 usage: bench/gateways.py [--shape tenants|conversations|mixed] [--spread in-turn|by-group] [--requests N]
-                        [--policy P] [--kv-interval-ms MS]
+                        [--policy P] [--kv-interval-ms MS] [--kv-wait-ms MS]
                         [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
@@ -120,6 +120,7 @@ def replica(work, name):
 
 
 KV_INTERVAL_MS = "200"
+KV_WAIT_MS = "1000"
 POLICY = "latency"
 SPREAD = "in-turn"
 
@@ -150,7 +151,8 @@ def run(work, gateways, index, trace):
                 "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", POLICY,
                 "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN]
         if index == "precise":
-            argv += ["--kv-relay", f"127.0.0.1:{relay}", "--kv-interval-ms", KV_INTERVAL_MS]
+            argv += ["--kv-relay", f"127.0.0.1:{relay}", "--kv-interval-ms", KV_INTERVAL_MS,
+                     "--kv-wait-ms", KV_WAIT_MS]
         for name, rport, _ in fleet:
             argv += ["--endpoint", f"{name}=http://127.0.0.1:{rport}"]
         spawn(argv, work / f"envoy-{g}.log")
@@ -166,10 +168,11 @@ def run(work, gateways, index, trace):
         argv += ["--metrics", f"{name}=http://127.0.0.1:{port}"]
     out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True)
     # Requests another gateway routed whose ends a gateway's feed marked (precise only).
-    ends_marked = 0
+    ends_marked = fetches = 0
     for admin in admins:
-        _, body = get(f"http://127.0.0.1:{admin}/stats?filter=kv.ends_marked")
+        _, body = get(f"http://127.0.0.1:{admin}/stats?filter=kv\\.(ends_marked|fetch\\.ok)")
         ends_marked += sum(int(v) for v in re.findall(rb"kv\.ends_marked: (\d+)", body))
+        fetches += sum(int(v) for v in re.findall(rb"kv\.fetch\.ok: (\d+)", body))
     stop_all()
     report = json.loads(out.stdout)
     served = list(report["endpoints"].values())
@@ -186,6 +189,8 @@ def run(work, gateways, index, trace):
         # Requests on the busiest replica over the mean (replicas that got none count).
         "max_mean": max(served) * REPLICAS / sum(served) if sum(served) else None,
         "ends_marked": ends_marked,
+        # Feed pages the gateways fetched, all of them, over the run.
+        "feed_fetches": fetches,
     }
 
 
@@ -194,6 +199,9 @@ def main():
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--kv-interval-ms", default="200",
                     help="how often each gateway's plugin fetches the relay's feed")
+    ap.add_argument("--kv-wait-ms", default="1000",
+                    help="how long the relay may hold a feed fetch with nothing new (a long "
+                         "poll); 0 polls every --kv-interval-ms")
     ap.add_argument("--only", choices=["approximate", "precise"])
     ap.add_argument("--policy", default="latency")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tenants",
@@ -203,8 +211,9 @@ def main():
                          "(session affinity)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD
+    global KV_INTERVAL_MS, KV_WAIT_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD
     KV_INTERVAL_MS = args.kv_interval_ms
+    KV_WAIT_MS = args.kv_wait_ms
     POLICY = args.policy
     SPREAD = args.spread
     shape = SHAPES[args.shape]
@@ -226,7 +235,8 @@ def main():
         stop_all()
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
-          f"feed fetched every {KV_INTERVAL_MS} ms, requests to the gateways {SPREAD}\n")
+          f"feed fetched every {KV_INTERVAL_MS} ms, held up to {KV_WAIT_MS} ms, "
+          f"requests to the gateways {SPREAD}\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
           f"  groups on one  max/mean  ends marked")
     for r in rows:

@@ -153,10 +153,15 @@ fn start_relay(args: &[String]) -> (Killed, u16) {
 
 /// The feed page since `since`, read raw (it is binary).
 fn feed(port: u16, since: u64) -> FeedPage {
+    feed_waiting(port, since, 0)
+}
+
+/// [`feed`] as a long poll: the relay may hold it up to `wait_ms` for news.
+fn feed_waiting(port: u16, since: u64, wait_ms: u64) -> FeedPage {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(
         stream,
-        "GET /v1/kv/feed?since={since} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /v1/kv/feed?since={since}&wait_ms={wait_ms} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut raw = Vec::new();
@@ -245,6 +250,27 @@ fn the_relay_serves_each_servers_blocks_in_the_routers_own_hashes() {
         .servers
         .iter()
         .all(|s| s.stored.is_empty() && s.removed.is_empty()));
+    // A long poll from there waits for the next change and brings it: the request goes out
+    // first, the completion 300 ms later (a relay that answered at once would send nothing).
+    let since = page.version;
+    let poll = std::thread::spawn(move || feed_waiting(port, since, 20_000));
+    std::thread::sleep(Duration::from_millis(300));
+    let third = completion(&"A third prompt, asked while the gateway waits. ".repeat(5));
+    assert_eq!(a.post("/v1/completions", &third).status, 200);
+    let news = poll.join().unwrap();
+    assert!(news.version > since);
+    let server_a = news
+        .servers
+        .iter()
+        .find(|s| s.address == format!("127.0.0.1:{}", a.port))
+        .unwrap();
+    assert!(router_blocks(&third, 16)
+        .iter()
+        .all(|h| server_a.stored.contains(h)));
+    // With nothing new it answers an empty page when the wait is over.
+    let quiet = feed_waiting(port, news.version, 200);
+    assert_eq!(quiet.version, news.version);
+    assert!(quiet.servers.iter().all(|s| s.stored.is_empty()));
 }
 
 #[test]

@@ -483,6 +483,10 @@ impl FromStr for IndexMode {
     }
 }
 
+/// The longest a relay holds a feed fetch ([`KvEventsConfig::wait_ms`]); the relay caps a
+/// request's `wait_ms` to it too.
+pub const MAX_FEED_WAIT_MS: u64 = 30_000;
+
 /// Where `index: precise` gets the servers' truth: the relay's feed, fetched by callouts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -492,6 +496,13 @@ pub struct KvEventsConfig {
     pub path: String,
     pub interval_ms: u64,
     pub timeout_ms: u64,
+    /// How long the relay may hold a fetch that has nothing new (a long poll): it answers as
+    /// soon as a server reports a change, and the plugin fetches again at once, so a change
+    /// reaches every gateway within milliseconds instead of up to `interval_ms`. 0 polls every
+    /// `interval_ms`, which then also spaces fetches after a failure or an answer from a relay
+    /// that did not wait. Why: a second gateway learns of the first one's new placements only
+    /// from the feed, and meanwhile places the same new prefix elsewhere (docs/benchmarks.md).
+    pub wait_ms: u64,
     /// Changes fetched per callout at most.
     pub page_changes: u32,
     /// Clock positions a block the router recorded (not yet in the server's events) stays
@@ -506,6 +517,7 @@ impl Default for KvEventsConfig {
             path: "/v1/kv/feed".into(),
             interval_ms: 200,
             timeout_ms: 500,
+            wait_ms: 1000,
             page_changes: 65_536,
             speculative_blocks: 4096,
         }
@@ -536,6 +548,13 @@ impl KvEventsConfig {
                 "kv_events.timeout_ms",
                 "between 1 and 50 × interval_ms",
                 self.timeout_ms,
+            ));
+        }
+        if self.wait_ms > MAX_FEED_WAIT_MS {
+            return Err(out_of_range(
+                "kv_events.wait_ms",
+                "at most 30000",
+                self.wait_ms,
             ));
         }
         if self.page_changes == 0 {
@@ -1121,6 +1140,10 @@ mod tests {
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"kv_events":{"interval_ms":1}}"#,
                 "kv_events.interval_ms must be at least 10, got 1",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"kv_events":{"wait_ms":40000}}"#,
+                "kv_events.wait_ms must be at most 30000, got 40000",
             ),
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"failover":9}"#,

@@ -138,8 +138,11 @@ impl PluginRoot {
                 flush(&mut e, &self.metrics);
                 return;
             };
-            let kv = &e.config().kv_events;
-            (kv.cluster.clone(), kv.timeout_ms, path)
+            (
+                e.config().kv_events.cluster.clone(),
+                e.feed_timeout_ms(),
+                path,
+            )
         };
         let headers = owned(vec![
             (":method", "GET"),
@@ -293,6 +296,10 @@ impl Context for PluginRoot {
                 self.feed_warned = false;
             }
             flush(&mut e, &self.metrics);
+            drop(e);
+            // A long poll asks again as soon as its answer is in (when the answer freed the
+            // lease; else the tick fetches when it is due).
+            self.fetch_feed(&scheduler, now);
             return;
         }
         if e.is_discovery(token_id) {

@@ -972,12 +972,19 @@ impl<H: SharedData> Scheduler<H> {
 
     /// Claims the KV-feed fetch if it is due (`index: precise`; a lease in the feed cursor,
     /// so one instance fetches per interval across all workers). Returns the `:path` to ask.
+    /// A long poll (`kv_events.wait_ms`) holds the lease until its answer frees it (see
+    /// [`Self::feed_done`]), or for as long as the relay may hold it and the callout may take.
     pub fn claim_feed(&mut self, now_ms: u64) -> Option<String> {
         if self.config.index != IndexMode::Precise {
             return None;
         }
         let kv = &self.config.kv_events;
-        let (interval, expiry) = (kv.interval_ms, kv.interval_ms + kv.timeout_ms);
+        let lease = if kv.wait_ms > 0 {
+            kv.wait_ms + kv.timeout_ms
+        } else {
+            kv.interval_ms
+        };
+        let (interval, expiry) = (lease, kv.interval_ms + kv.timeout_ms + kv.wait_ms);
         if let Some((_, sent, _)) = self.feed_awaiting {
             if now_ms.saturating_sub(sent) <= expiry {
                 return None;
@@ -995,10 +1002,17 @@ impl<H: SharedData> Scheduler<H> {
             )?
             .version;
         self.feed_awaiting = Some((0, now_ms, since));
+        let kv = &self.config.kv_events;
         Some(format!(
-            "{}?since={since}&limit={}",
-            self.config.kv_events.path, self.config.kv_events.page_changes
+            "{}?since={since}&limit={}&wait_ms={}",
+            kv.path, kv.page_changes, kv.wait_ms
         ))
+    }
+
+    /// The timeout of the feed callout: the relay may hold it for `wait_ms` first.
+    pub fn feed_timeout_ms(&self) -> u64 {
+        let kv = &self.config.kv_events;
+        kv.timeout_ms + kv.wait_ms
     }
 
     pub fn feed_sent(&mut self, token: u32) {
@@ -1019,20 +1033,35 @@ impl<H: SharedData> Scheduler<H> {
     /// A feed page came back: if no other instance applied a page since ours was asked for
     /// (the cursor still says `since`), move the cursor and write the page into the index.
     /// Returns false when the answer was unusable (counted).
+    /// With a long poll, an answer that brought news or was held by the relay frees the lease
+    /// at once, so the caller's next [`Self::claim_feed`] asks again; any other answer (an empty
+    /// page at once: a relay that does not wait) makes the next fetch due `interval_ms` after
+    /// this one was sent, and a failed one leaves the lease to expire.
     pub fn feed_done(&mut self, status: Option<u32>, body: &[u8], now_ms: u64) -> bool {
-        let Some((_, _, since)) = self.feed_awaiting.take() else {
+        let Some((_, sent_ms, since)) = self.feed_awaiting.take() else {
             return false;
         };
-        if status != Some(200) {
-            self.events.push(Event::KvFeed(CalloutEnd::Failed));
-            return false;
-        }
-        let Ok(page) = FeedPage::decode(body) else {
-            self.events.push(Event::KvFeed(CalloutEnd::Unparseable));
-            return false;
+        let page = match status {
+            Some(200) => FeedPage::decode(body).map_err(|_| CalloutEnd::Unparseable),
+            _ => Err(CalloutEnd::Failed),
+        };
+        let page = match page {
+            Ok(page) => page,
+            Err(end) => {
+                self.events.push(Event::KvFeed(end));
+                self.feed_failed(sent_ms);
+                return false;
+            }
         };
         self.events.push(Event::KvFeed(CalloutEnd::Ok));
         let next = page.version;
+        let kv = &self.config.kv_events;
+        let held = now_ms.saturating_sub(sent_ms) >= kv.wait_ms / 2;
+        let again_ms = if kv.wait_ms > 0 && (next != since || page.reset || held) {
+            now_ms
+        } else {
+            sent_ms + kv.interval_ms
+        };
         let outcome = cas_update(
             self.host(),
             FEED_KEY,
@@ -1042,6 +1071,7 @@ impl<H: SharedData> Scheduler<H> {
                 // A reset page replaces whatever we had: apply it even if the cursor moved.
                 (cursor.version == since || page.reset).then(|| {
                     cursor.version = next;
+                    cursor.next_fetch_ms = again_ms;
                     cursor
                 })
             },
@@ -1052,6 +1082,33 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_now(now_ms as f64);
         self.apply_page(&page);
         true
+    }
+
+    /// A long poll failed (a timeout, an error, garbage): the next fetch is due `interval_ms`
+    /// after it was sent, as when polling, not when its lease would have run out. Left alone
+    /// if another instance claimed the feed since.
+    fn feed_failed(&mut self, sent_ms: u64) {
+        let kv = &self.config.kv_events;
+        if kv.wait_ms == 0 {
+            return;
+        }
+        let (leased, due) = (
+            sent_ms + kv.wait_ms + kv.timeout_ms,
+            sent_ms + kv.interval_ms,
+        );
+        let outcome = cas_update(
+            self.host(),
+            FEED_KEY,
+            FeedCursor::decode,
+            FeedCursor::encode,
+            |mut cursor: FeedCursor| {
+                (cursor.next_fetch_ms == leased).then(|| {
+                    cursor.next_fetch_ms = due;
+                    cursor
+                })
+            },
+        );
+        let _ = self.settle(outcome);
     }
 
     /// Writes a feed page into the shared index: per server of the pool, whether its events

@@ -3,8 +3,11 @@
 //! One ZMQ SUB socket per server (vLLM's publisher, or `fake-server --kv-events`) feeds that
 //! server's truth (`prefixroute-kvevents`): the router's own block hashes it holds, rebuilt
 //! after lost messages. The plugin fetches what changed with its own callouts,
-//! `GET /v1/kv/feed?since=VERSION&limit=N` (core's binary `FeedPage`; one fetch per interval
-//! across all Envoy workers), into its shared data. `GET /stats` says, per server, what the
+//! `GET /v1/kv/feed?since=VERSION&limit=N[&wait_ms=W]` (core's binary `FeedPage`; one fetch at
+//! a time across all Envoy workers), into its shared data. With `wait_ms` the fetch is a long
+//! poll: held until something changes after `since` (or `wait_ms` passes), then answered after
+//! [`LINGER`] more, so one answer carries what arrives together and a gateway fetches at most
+//! about once per `LINGER`. `GET /stats` says, per server, what the
 //! relay got and what it could not use; `GET /health` answers 200.
 //!
 //! A publisher that disconnects (ZMQ's monitor says so) is not live any more: its truth is
@@ -74,8 +77,16 @@ struct Wire {
     disconnects: u64,
 }
 
+/// How long a long poll waits, once there is news, for what comes with it (the events of the
+/// other servers' requests of the same moment) before it answers: it bounds how often each
+/// gateway fetches, for at most this much more delay (the simulator finds 10 ms of feed delay
+/// as good as none, docs/benchmarks.md).
+const LINGER: std::time::Duration = std::time::Duration::from_millis(10);
+
 struct State {
     feed: Feed,
+    /// The feed's version after every change, for the long polls waiting on it.
+    version: tokio::sync::watch::Sender<u64>,
     addresses: Vec<String>,
     wire: Vec<Wire>,
     /// Model, block size and capacity of servers learned from topics (`--bind`).
@@ -87,6 +98,11 @@ struct State {
 }
 
 impl State {
+    /// Wakes the long polls: the feed changed (or may have).
+    fn changed(&self) {
+        self.version.send_replace(self.feed.version());
+    }
+
     /// The server a topic names (`kv@<ip:port>@<model>`), added on first sight.
     fn server_of_topic(&mut self, topic: &str) -> Option<usize> {
         let named = topic.strip_prefix("kv@")?.split('@').next()?;
@@ -155,6 +171,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let state: Shared = Arc::new(Mutex::new(State {
+        version: tokio::sync::watch::Sender::new(feed.version()),
         feed,
         addresses: publishers.iter().map(|(a, _)| a.clone()).collect(),
         wire: vec![Wire::default(); publishers.len()],
@@ -235,6 +252,7 @@ async fn subscribe(state: Shared, server: usize, address: String, endpoint: Stri
                         Ok((message, rejected)) => {
                             s.wire[server].rejected_events += rejected.len() as u64;
                             s.feed.apply(server, &message);
+                            s.changed();
                         }
                         Err(_) => s.wire[server].malformed_messages += 1,
                     }
@@ -249,6 +267,7 @@ async fn subscribe(state: Shared, server: usize, address: String, endpoint: Stri
                     let mut s = lock(&state);
                     s.wire[server].disconnects += 1;
                     s.feed.lost(server);
+                    s.changed();
                     eprintln!("kv-events: {address}: publisher disconnected; its truth is unknown until it publishes again");
                 }
             }
@@ -273,6 +292,7 @@ async fn receive_bound(state: Shared, mut socket: SubSocket) {
                     Some(server) => {
                         s.wire[server].rejected_events += rejected.len() as u64;
                         s.feed.apply(server, &message);
+                        s.changed();
                     }
                     None => s.unknown_topics += 1,
                 }
@@ -283,6 +303,22 @@ async fn receive_bound(state: Shared, mut socket: SubSocket) {
             }
         }
     }
+}
+
+/// Waits until the feed has changed after `since` (at once if it has; a `since` from another
+/// relay's life, ahead of this one's version, gets its snapshot at once), for at most
+/// `wait_ms`, then [`LINGER`] more.
+async fn long_poll(state: &Shared, since: u64, wait_ms: u64) {
+    let mut version = lock(state).version.subscribe();
+    let current = *version.borrow_and_update();
+    if current == since {
+        let wait = std::time::Duration::from_millis(wait_ms);
+        let news = tokio::time::timeout(wait, version.wait_for(|&v| v != since)).await;
+        if !matches!(news, Ok(Ok(_))) {
+            return;
+        }
+    }
+    tokio::time::sleep(LINGER).await;
 }
 
 fn query_u64(query: &str, key: &str) -> Option<u64> {
@@ -318,6 +354,12 @@ async fn handle(
             let limit = query_u64(query, "limit")
                 .unwrap_or(65_536)
                 .clamp(1, 1 << 20) as usize;
+            let wait_ms = query_u64(query, "wait_ms")
+                .unwrap_or(0)
+                .min(prefixroute_core::config::MAX_FEED_WAIT_MS);
+            if wait_ms > 0 {
+                long_poll(&state, since, wait_ms).await;
+            }
             let page = lock(&state).feed.page(since, limit);
             reply(StatusCode::OK, "application/octet-stream", page.encode())
         }

@@ -110,9 +110,14 @@ pub struct PluginArgs {
     /// Where `prefixroute kv-events` serves its feed (`--listen` there), for --index precise.
     #[arg(long, value_name = "IP:PORT")]
     kv_relay: Option<SocketAddr>,
-    /// How often the plugin fetches the relay's feed (--index precise).
+    /// How often the plugin fetches the relay's feed (--index precise) when it does not long
+    /// poll, and after a failed fetch.
     #[arg(long, default_value_t = 200)]
     kv_interval_ms: u64,
+    /// How long the relay may hold a fetch with nothing new (a long poll: a change reaches the
+    /// gateway within milliseconds); 0 polls every --kv-interval-ms.
+    #[arg(long, default_value_t = 1000)]
+    kv_wait_ms: u64,
 }
 
 impl PluginArgs {
@@ -174,6 +179,7 @@ impl PluginArgs {
         config.scrape.stale_after_ms = self.stale_after_ms;
         config.scrape.failures_to_down = self.failures_to_down;
         config.kv_events.interval_ms = self.kv_interval_ms;
+        config.kv_events.wait_ms = self.kv_wait_ms;
         config.validate().context("invalid plugin options")?;
         Ok(config)
     }

@@ -297,3 +297,62 @@ fn a_run_of_blocks_marks_where_a_request_another_gateway_routed_ended() {
         .any(|ev| matches!(ev, Event::KvApplied { ends: 0, .. })));
     assert_eq!(continues(&mut w, e, &first), Some(Turn::First));
 }
+
+/// Answers `w`'s outstanding fetch with a page of `servers` at `version`.
+fn answer(w: &mut Scheduler<MemShared>, now: u64, servers: Vec<FeedServer>, version: u64) {
+    w.feed_sent(9);
+    let page = FeedPage {
+        version,
+        reset: false,
+        servers,
+    };
+    assert!(w.feed_done(Some(200), &page.encode(), now));
+}
+
+#[test]
+fn a_long_poll_asks_again_as_soon_as_it_brings_news_or_was_held() {
+    let host = MemShared::new();
+    let mut w1 = Scheduler::new(host.clone(), config(IndexMode::Precise, 64));
+    let mut w2 = Scheduler::new(host.clone(), config(IndexMode::Precise, 64));
+    let path = w1.claim_feed(0).unwrap();
+    assert!(path.ends_with("&wait_ms=1000"), "{path}");
+    assert_eq!(w1.feed_timeout_ms(), 1500, "the relay may hold it first");
+    assert!(
+        w2.claim_feed(900).is_none(),
+        "the poll holds the lease while the relay may hold it"
+    );
+    // News after 40 ms: fetched again at once, by whichever worker ticks first.
+    answer(&mut w1, 40, vec![server(0, true, vec![7], vec![])], 1);
+    let path = w2.claim_feed(40).unwrap();
+    assert!(path.contains("since=1&"), "{path}");
+    // Held 800 ms with nothing new: again at once too.
+    answer(&mut w2, 840, vec![], 1);
+    assert!(w1.claim_feed(840).is_some());
+    // Nothing new and not held (a relay that does not long poll): the next one is due an
+    // interval after this one was sent, not at once.
+    answer(&mut w1, 845, vec![], 1);
+    assert!(w2.claim_feed(846).is_none());
+    assert!(w2.claim_feed(1040).is_some());
+    // A failed poll: due an interval after it was sent, not when its lease runs out.
+    w2.feed_sent(10);
+    assert!(!w2.feed_done(None, b"", 1500));
+    assert!(w1.claim_feed(1239).is_none());
+    assert!(w1.claim_feed(1240).is_some());
+}
+
+#[test]
+fn without_a_wait_the_feed_is_polled_every_interval() {
+    let host = MemShared::new();
+    let mut c = config(IndexMode::Precise, 64);
+    c.kv_events.wait_ms = 0;
+    let mut w = Scheduler::new(host, c);
+    let path = w.claim_feed(0).unwrap();
+    assert!(path.ends_with("&wait_ms=0"), "{path}");
+    assert_eq!(w.feed_timeout_ms(), 500);
+    answer(&mut w, 10, vec![server(0, true, vec![7], vec![])], 1);
+    assert!(
+        w.claim_feed(150).is_none(),
+        "news does not fetch again early"
+    );
+    assert!(w.claim_feed(200).is_some());
+}
