@@ -75,8 +75,9 @@ pub struct Args {
     #[arg(long, default_value = "in-turn", value_parser = str::parse::<GatewaySpread>)]
     gateway_spread: GatewaySpread,
     /// With `--index precise`: how often each gateway fetches the replicas' events, in ms, as
-    /// the plugin's `kv_events.interval_ms` (`serve --kv-interval-ms`); 0 applies every change
-    /// the moment the replica makes it.
+    /// the plugin's `kv_events.interval_ms` when it polls (`serve --kv-wait-ms 0
+    /// --kv-interval-ms`); 0 applies every change the moment the replica makes it. The
+    /// plugin's default long poll delivers a change in about 10 ms.
     #[arg(long, default_value_t = 0.0)]
     kv_interval_ms: f64,
     /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
