@@ -1062,21 +1062,16 @@ impl<H: SharedData> Scheduler<H> {
         } else {
             sent_ms + kv.interval_ms
         };
-        let outcome = cas_update(
-            self.host(),
-            FEED_KEY,
-            FeedCursor::decode,
-            FeedCursor::encode,
-            |mut cursor: FeedCursor| {
-                // A reset page replaces whatever we had: apply it even if the cursor moved.
-                (cursor.version == since || page.reset).then(|| {
-                    cursor.version = next;
-                    cursor.next_fetch_ms = again_ms;
-                    cursor
-                })
-            },
-        );
-        if self.settle(outcome).is_none() {
+        let reset = page.reset;
+        let moved = self.update_feed_cursor(|mut cursor| {
+            // A reset page replaces whatever we had: apply it even if the cursor moved.
+            (cursor.version == since || reset).then(|| {
+                cursor.version = next;
+                cursor.next_fetch_ms = again_ms;
+                cursor
+            })
+        });
+        if moved.is_none() {
             return true;
         }
         self.router.set_now(now_ms as f64);
@@ -1096,19 +1091,28 @@ impl<H: SharedData> Scheduler<H> {
             sent_ms + kv.wait_ms + kv.timeout_ms,
             sent_ms + kv.interval_ms,
         );
+        let _ = self.update_feed_cursor(|mut cursor| {
+            (cursor.next_fetch_ms == leased).then(|| {
+                cursor.next_fetch_ms = due;
+                cursor
+            })
+        });
+    }
+
+    /// Changes the feed's cursor in shared data (a CAS; `change` returns `None` to leave it);
+    /// the cursor written, if it was.
+    fn update_feed_cursor(
+        &mut self,
+        change: impl FnMut(FeedCursor) -> Option<FeedCursor>,
+    ) -> Option<FeedCursor> {
         let outcome = cas_update(
             self.host(),
             FEED_KEY,
             FeedCursor::decode,
             FeedCursor::encode,
-            |mut cursor: FeedCursor| {
-                (cursor.next_fetch_ms == leased).then(|| {
-                    cursor.next_fetch_ms = due;
-                    cursor
-                })
-            },
+            change,
         );
-        let _ = self.settle(outcome);
+        self.settle(outcome)
     }
 
     /// Writes a feed page into the shared index: per server of the pool, whether its events

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{sweep_conversations, sweep_fleet};
+use common::{latency_report, sweep_conversations, sweep_fleet};
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{GatewaySpread, SimConfig, SimReport, Simulation};
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
@@ -108,15 +108,12 @@ fn precise_gateways_keep_most_of_one_gateways_hit_rate_and_approximate_ones_do_n
 fn approximate_gateways_with_session_affinity_keep_conversations_together() {
     let trace = sweep_conversations();
     let report = |gateways, spread| {
-        let mut config = SimConfig {
+        let config = SimConfig {
             gateways,
             spread,
             ..sweep_fleet(0.5)
         };
-        config.router.policy = Policy::Latency;
-        let mut sim = Simulation::new(&trace, config).unwrap();
-        sim.run();
-        sim.report()
+        latency_report(&trace, config)
     };
     let one = report(1, GatewaySpread::InTurn);
     let in_turn = report(2, GatewaySpread::InTurn);
@@ -144,16 +141,13 @@ fn approximate_gateways_with_session_affinity_keep_conversations_together() {
 fn precise_gateways_taking_turns_see_where_the_others_turns_ended() {
     let trace = sweep_conversations();
     let report = |gateways, kv_interval_ms| {
-        let mut config = SimConfig {
+        let config = SimConfig {
             gateways,
             index: IndexMode::Precise,
             kv_interval_ms,
             ..sweep_fleet(0.5)
         };
-        config.router.policy = Policy::Latency;
-        let mut sim = Simulation::new(&trace, config).unwrap();
-        sim.run();
-        sim.report()
+        latency_report(&trace, config)
     };
     let one = report(1, 0.0);
     for (interval, slack) in [(0.0, 1.05), (200.0, 1.2)] {

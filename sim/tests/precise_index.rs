@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{sweep_conversations, sweep_fleet};
+use common::{latency_report, sweep_conversations, sweep_fleet};
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{BeliefCheck, SimConfig, Simulation};
 use prefixroute_sim::summary::max_over_mean;
@@ -94,14 +94,11 @@ fn the_precise_belief_holds_every_block_the_replicas_hold_and_believes_no_evicte
 fn a_precise_belief_knows_the_reported_capacity_so_growing_conversations_spread() {
     let trace = sweep_conversations();
     let report = |index| {
-        let mut config = SimConfig {
+        let config = SimConfig {
             index,
             ..sweep_fleet(0.5)
         };
-        config.router.policy = Policy::Latency;
-        let mut sim = Simulation::new(&trace, config).unwrap();
-        sim.run();
-        sim.report()
+        latency_report(&trace, config)
     };
     let (precise, approximate) = (report(IndexMode::Precise), report(IndexMode::Approximate));
     let per = &precise.requests_per_replica;

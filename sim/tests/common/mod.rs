@@ -3,7 +3,8 @@
 
 #![allow(dead_code)] // each test file uses part of it
 
-use prefixroute_sim::simulation::SimConfig;
+use prefixroute_core::config::Policy;
+use prefixroute_sim::simulation::{SimConfig, SimReport, Simulation};
 use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 
 /// `prefixroute trace --shape SHAPE --tenants GROUPS --prompt-words P --question-words Q
@@ -47,4 +48,12 @@ pub fn sweep_fleet(ms_per_token: f64) -> SimConfig {
     config.timing.decode_ms_per_token = 0.0;
     config.timing.prefill_ms_per_token = ms_per_token;
     config
+}
+
+/// `trace` simulated under `config` with the `latency` policy alone.
+pub fn latency_report(trace: &[TraceRecord], mut config: SimConfig) -> SimReport {
+    config.router.policy = Policy::Latency;
+    let mut sim = Simulation::new(trace, config).unwrap();
+    sim.run();
+    sim.report()
 }
