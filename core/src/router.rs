@@ -749,16 +749,17 @@ impl<S: PrefixStore> Router<S> {
         Some(committed)
     }
 
-    /// Believes a server's own report of a run of blocks it stored ([`StoredRun`]: new full
-    /// blocks after `parent`) ended a request there: with `index: precise` every gateway reads
-    /// every server's events, so it sees where the requests the other gateways routed ended.
-    /// Call after the store believes the blocks. The run's last block gets an end mark (a
-    /// request whose own end was marked already, this router's, keeps it), of the turn after
-    /// its parent's mark: a run that continues an end continues that request's group. So a
-    /// conversation's next turn continues the turn another gateway routed, as
-    /// [`PrefixStore::continues`] sees it, and its gap is measured from when the run was read.
-    /// Without this, two gateways taking turns each see every other turn of a conversation and
-    /// price growth two turns long (docs/benchmarks.md, "Several gateways").
+    /// Marks where a request ended on `endpoint`, from the server's own report of the blocks
+    /// it stored for it ([`StoredRun`]: its new full blocks, after `parent`). With
+    /// `index: precise` every gateway reads every server's events, so it sees where the
+    /// requests the other gateways routed ended. Call after the store believes the blocks.
+    /// The run's last block gets an end mark, `Turn::Later` if the run's parent carries one
+    /// (the request continued an earlier one) and `Turn::First` if not; a block this router
+    /// marked itself (its own request) keeps its mark. So a conversation's next turn continues
+    /// the turn another gateway routed, as [`PrefixStore::continues`] sees it, and its gap is
+    /// measured from when the run was read. Without this, two gateways taking turns each see
+    /// every other turn of a conversation and price growth two turns long
+    /// (docs/benchmarks.md, "Precise gateways mark where the other gateways' requests ended").
     ///
     /// Only the marks: how often groups continue and how much they grow is still learned from
     /// this router's own requests, because a run is not always a request (vLLM reports a

@@ -1033,10 +1033,11 @@ impl<H: SharedData> Scheduler<H> {
     /// A feed page came back: if no other instance applied a page since ours was asked for
     /// (the cursor still says `since`), move the cursor and write the page into the index.
     /// Returns false when the answer was unusable (counted).
-    /// With a long poll, an answer that brought news or was held by the relay frees the lease
-    /// at once, so the caller's next [`Self::claim_feed`] asks again; any other answer (an empty
-    /// page at once: a relay that does not wait) makes the next fetch due `interval_ms` after
-    /// this one was sent, and a failed one leaves the lease to expire.
+    /// With a long poll, an answer that brought news or was held by the relay (an empty page
+    /// after at least half the wait) frees the lease at once, so the caller's next
+    /// [`Self::claim_feed`] asks again; any other answer (an empty page at once: a relay that
+    /// does not wait) and a failed fetch make the next one due `interval_ms` after this one
+    /// was sent.
     pub fn feed_done(&mut self, status: Option<u32>, body: &[u8], now_ms: u64) -> bool {
         let Some((_, sent_ms, since)) = self.feed_awaiting.take() else {
             return false;
