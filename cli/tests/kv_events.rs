@@ -158,16 +158,22 @@ fn feed(port: u16, since: u64) -> FeedPage {
 
 /// [`feed`] as a long poll: the relay may hold it up to `wait_ms` for news.
 fn feed_waiting(port: u16, since: u64, wait_ms: u64) -> FeedPage {
+    let query = format!("since={since}&wait_ms={wait_ms}&layout=2");
+    FeedPage::decode(&feed_raw(port, &query)).unwrap()
+}
+
+/// The body of `GET /v1/kv/feed?QUERY` (binary).
+fn feed_raw(port: u16, query: &str) -> Vec<u8> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     write!(
         stream,
-        "GET /v1/kv/feed?since={since}&wait_ms={wait_ms} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /v1/kv/feed?{query} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).unwrap();
     let at = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-    FeedPage::decode(&raw[at..]).unwrap()
+    raw.split_off(at)
 }
 
 /// Waits until the relay has seen `n` messages from every server.
@@ -244,6 +250,13 @@ fn the_relay_serves_each_servers_blocks_in_the_routers_own_hashes() {
     let server_b = server_b.unwrap();
     assert!(b_blocks.iter().all(|h| server_b.stored.contains(h)));
     assert!(expected.iter().all(|h| !server_b.stored.contains(h)));
+    // A fetcher that does not ask for layout 2 (a plugin from before runs) gets layout 1:
+    // the same blocks, no runs.
+    let old = feed_raw(port, &format!("since={before}"));
+    assert_eq!(old[4], 1, "layout 1");
+    let old = FeedPage::decode(&old).unwrap();
+    assert_eq!(old.servers[0].stored, page.servers[0].stored);
+    assert!(old.servers.iter().all(|s| s.runs.is_empty()));
     // Asked again from the new version: nothing new.
     let again = feed(port, page.version);
     assert!(again

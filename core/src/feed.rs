@@ -64,7 +64,20 @@ pub enum FeedError {
 }
 
 impl FeedPage {
+    /// The page in the current layout, with runs (what a fetcher that asks for `layout=2`
+    /// reads).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_layout(true)
+    }
+
+    /// The page in layout 1, without runs: for a fetcher that did not ask for layout 2 (a
+    /// plugin from before runs rejects any other layout), so a relay can be upgraded before
+    /// the gateways.
+    pub fn encode_without_runs(&self) -> Vec<u8> {
+        self.encode_layout(false)
+    }
+
+    fn encode_layout(&self, runs: bool) -> Vec<u8> {
         let mut out = Vec::with_capacity(
             16 + self
                 .servers
@@ -77,7 +90,7 @@ impl FeedPage {
                 .sum::<usize>(),
         );
         out.extend_from_slice(MAGIC);
-        out.push(LAYOUT);
+        out.push(if runs { LAYOUT } else { LAYOUT_WITHOUT_RUNS });
         out.extend_from_slice(&self.version.to_le_bytes());
         out.push(if self.reset { RESET } else { 0 });
         let servers = &self.servers[..self.servers.len().min(u16::MAX as usize)];
@@ -93,6 +106,9 @@ impl FeedPage {
                 for h in list {
                     out.extend_from_slice(&h.to_le_bytes());
                 }
+            }
+            if !runs {
+                continue;
             }
             let runs = &s.runs[..s.runs.len().min(u32::MAX as usize)];
             out.extend_from_slice(&(runs.len() as u32).to_le_bytes());
@@ -276,18 +292,19 @@ mod tests {
     }
 
     #[test]
-    fn a_page_from_a_relay_before_runs_is_read_without_them() {
-        let mut old = page();
-        for s in &mut old.servers {
+    fn a_page_without_runs_is_layout_1_and_reads_back_without_them() {
+        let mut bytes = page().encode_without_runs();
+        assert_eq!(bytes[4], LAYOUT_WITHOUT_RUNS);
+        let mut without = page();
+        for s in &mut without.servers {
             s.runs.clear();
         }
-        // Layout 1 is layout 2 without the run counts, each the 4 bytes after a server's lists.
-        let mut bytes = old.encode();
-        bytes[4] = LAYOUT_WITHOUT_RUNS;
-        let first = 4 + 1 + 8 + 1 + 2 + 2 + "10.0.0.1:8000".len() + 1 + 4 + 16 + 4 + 8;
-        bytes.drain(first..first + 4);
-        bytes.truncate(bytes.len() - 4);
-        assert_eq!(FeedPage::decode(&bytes), Ok(old));
+        assert_eq!(FeedPage::decode(&bytes), Ok(without.clone()));
+        // Layout 1 is layout 2 without the run counts: the same page, 4 bytes per server less.
+        assert_eq!(bytes.len() + 2 * 4, without.encode().len());
+        for cut in 0..bytes.len() {
+            assert!(FeedPage::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
         bytes[4] = 3;
         assert_eq!(FeedPage::decode(&bytes), Err(FeedError::Foreign));
     }

@@ -1004,7 +1004,7 @@ impl<H: SharedData> Scheduler<H> {
         self.feed_awaiting = Some((0, now_ms, since));
         let kv = &self.config.kv_events;
         Some(format!(
-            "{}?since={since}&limit={}&wait_ms={}",
+            "{}?since={since}&limit={}&wait_ms={}&layout=2",
             kv.path, kv.page_changes, kv.wait_ms
         ))
     }

@@ -3,7 +3,8 @@
 //! One ZMQ SUB socket per server (vLLM's publisher, or `fake-server --kv-events`) feeds that
 //! server's truth (`prefixroute-kvevents`): the router's own block hashes it holds, rebuilt
 //! after lost messages. The plugin fetches what changed with its own callouts,
-//! `GET /v1/kv/feed?since=VERSION&limit=N[&wait_ms=W]` (core's binary `FeedPage`; one fetch at
+//! `GET /v1/kv/feed?since=VERSION&limit=N[&wait_ms=W][&layout=2]` (core's binary `FeedPage`,
+//! layout 2 with each server's runs when asked for, else layout 1; one fetch at
 //! a time across all Envoy workers), into its shared data. With `wait_ms` the fetch is a long
 //! poll: held until something changes after `since` (or `wait_ms` passes), then answered after
 //! [`LINGER`] more, so one answer carries what arrives together and a gateway fetches at most
@@ -361,7 +362,14 @@ async fn handle(
                 long_poll(&state, since, wait_ms).await;
             }
             let page = lock(&state).feed.page(since, limit);
-            reply(StatusCode::OK, "application/octet-stream", page.encode())
+            // Runs only for a fetcher that reads them: a plugin from before them reads layout 1
+            // only, and the relay may be upgraded first.
+            let body = if query_u64(query, "layout").unwrap_or(1) >= 2 {
+                page.encode()
+            } else {
+                page.encode_without_runs()
+            };
+            reply(StatusCode::OK, "application/octet-stream", body)
         }
         "/stats" => {
             let s = lock(&state);

@@ -315,7 +315,7 @@ fn a_long_poll_asks_again_as_soon_as_it_brings_news_or_was_held() {
     let mut w1 = Scheduler::new(host.clone(), config(IndexMode::Precise, 64));
     let mut w2 = Scheduler::new(host.clone(), config(IndexMode::Precise, 64));
     let path = w1.claim_feed(0).unwrap();
-    assert!(path.ends_with("&wait_ms=1000"), "{path}");
+    assert!(path.ends_with("&wait_ms=1000&layout=2"), "{path}");
     assert_eq!(w1.feed_timeout_ms(), 1500, "the relay may hold it first");
     assert!(
         w2.claim_feed(900).is_none(),
@@ -347,7 +347,7 @@ fn without_a_wait_the_feed_is_polled_every_interval() {
     c.kv_events.wait_ms = 0;
     let mut w = Scheduler::new(host, c);
     let path = w.claim_feed(0).unwrap();
-    assert!(path.ends_with("&wait_ms=0"), "{path}");
+    assert!(path.ends_with("&wait_ms=0&layout=2"), "{path}");
     assert_eq!(w.feed_timeout_ms(), 500);
     answer(&mut w, 10, vec![server(0, true, vec![7], vec![])], 1);
     assert!(
