@@ -188,6 +188,7 @@ def run(work, gateways, index, trace):
                          f'{report["groups_on_one_endpoint"]["groups"]}',
         # Requests on the busiest replica over the mean (replicas that got none count).
         "max_mean": max(served) * REPLICAS / sum(served) if sum(served) else None,
+        "requests_per_replica": served,
         "ends_marked": ends_marked,
         # Feed pages the gateways fetched, all of them, over the run.
         "feed_fetches": fetches,
