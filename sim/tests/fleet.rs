@@ -3,6 +3,9 @@
 //! restarted one at its next scrape. The simulator is deterministic, so these are exact
 //! properties of this code.
 
+mod common;
+
+use common::{six_replicas, spec};
 use prefixroute_core::config::Policy;
 use prefixroute_sim::fleet::FleetEvent;
 use prefixroute_sim::simulation::{
@@ -14,14 +17,8 @@ use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
 /// --rate R --requests N --seed S`.
 fn tenants(rate: f64, requests: usize, seed: u64) -> Vec<TraceRecord> {
     TraceSpec {
-        shape: TraceShape::Tenants,
-        tenants: 24,
-        prompt_words: 600,
-        question_words: 40,
         rate,
-        requests,
-        seed,
-        ..TraceSpec::default()
+        ..spec(TraceShape::Tenants, 24, 600, 40, requests, seed)
     }
     .generate()
     .unwrap()
@@ -29,14 +26,7 @@ fn tenants(rate: f64, requests: usize, seed: u64) -> Vec<TraceRecord> {
 
 /// The sweep's `tenants` fleet: six replicas caching a third of the tenants each, 4 lanes.
 fn fleet(policy: Policy, ms_per_token: f64) -> SimConfig {
-    let mut config = SimConfig {
-        replicas: 6,
-        cache_blocks: 420,
-        ..SimConfig::default()
-    };
-    config.timing.lanes = 4;
-    config.timing.decode_ms_per_token = 0.0;
-    config.timing.prefill_ms_per_token = ms_per_token;
+    let mut config = six_replicas(420, ms_per_token);
     config.router.policy = policy;
     config
 }

@@ -4,26 +4,17 @@
 
 mod common;
 
-use common::{latency_report, sweep_conversations, sweep_fleet};
+use common::{latency_report, spec, sweep_conversations, sweep_fleet};
 use prefixroute_core::config::{IndexMode, Policy};
 use prefixroute_sim::simulation::{GatewaySpread, SimConfig, SimReport, Simulation};
-use prefixroute_sim::trace::{TraceRecord, TraceShape, TraceSpec};
+use prefixroute_sim::trace::{TraceRecord, TraceShape};
 
 /// `prefixroute trace --shape tenants --tenants 24 --prompt-words 180 --question-words 12
 /// --rate 20 --seed 7 --requests 400`.
 fn trace() -> Vec<TraceRecord> {
-    TraceSpec {
-        shape: TraceShape::Tenants,
-        tenants: 24,
-        prompt_words: 180,
-        question_words: 12,
-        rate: 20.0,
-        requests: 400,
-        seed: 7,
-        ..TraceSpec::default()
-    }
-    .generate()
-    .unwrap()
+    spec(TraceShape::Tenants, 24, 180, 12, 400, 7)
+        .generate()
+        .unwrap()
 }
 
 /// 3 replicas of 52 blocks (about half of the tenants' prompts fit), 0.5 ms per uncached

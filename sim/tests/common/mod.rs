@@ -39,9 +39,15 @@ pub fn sweep_conversations() -> Vec<TraceRecord> {
 /// The sweep's fleet for its conversations and mixed traces: six replicas of 900 blocks, 4
 /// lanes, no decode time, `ms_per_token` per uncached token.
 pub fn sweep_fleet(ms_per_token: f64) -> SimConfig {
+    six_replicas(900, ms_per_token)
+}
+
+/// Six replicas of `cache_blocks` blocks each, 4 lanes, no decode time, `ms_per_token` per
+/// uncached token: the sweep's fleets, which differ in their caches.
+pub fn six_replicas(cache_blocks: usize, ms_per_token: f64) -> SimConfig {
     let mut config = SimConfig {
         replicas: 6,
-        cache_blocks: 900,
+        cache_blocks,
         ..SimConfig::default()
     };
     config.timing.lanes = 4;
