@@ -320,7 +320,7 @@ fn next_fetch_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> f64 {
 /// A run in progress.
 pub struct Simulation {
     requests: Vec<SimRequest>,
-    /// The gateways; request `i` goes through gateway `i mod gateways.len()`.
+    /// The gateways; which one a request goes through is `spread`'s ([`GatewaySpread::gateway`]).
     gateways: Vec<Gateway>,
     replicas: Vec<ReplicaSim>,
     cache_blocks: usize,
