@@ -21,7 +21,7 @@ use crate::host::Metrics;
 use crate::root::{flush, SharedScheduler};
 use crate::scheduler::{Choice, Route};
 use crate::settings::is_routable;
-use crate::stats::Event;
+use crate::stats::{Event, StatNames};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -73,7 +73,8 @@ impl Filter {
 
     fn count(&self, event: Event) {
         let scheduler = self.scheduler.as_ref().and_then(|e| e.try_borrow().ok());
-        let names = scheduler.as_ref().map_or(&[][..], |e| e.stat_names());
+        let unnamed = StatNames::default();
+        let names = scheduler.as_ref().map_or(&unnamed, |e| e.stat_names());
         if let Ok(mut m) = self.metrics.try_borrow_mut() {
             m.record(&[event], names);
         }

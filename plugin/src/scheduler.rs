@@ -23,7 +23,7 @@ use crate::shared::{
     calibration_key, cas_update, endpoint_key, members_key, read_or_default, CasOutcome,
     EndpointIds, SharedData, SharedDataErrors, FEED_KEY,
 };
-use crate::stats::{stat_token, CalloutEnd, Event};
+use crate::stats::{stat_token, CalloutEnd, Event, StatNames};
 use crate::store::{table_bits, SharedIndex, TrackedHost};
 
 /// How a request's endpoint was chosen.
@@ -120,7 +120,7 @@ pub struct Scheduler<H: SharedData> {
     pool: Pool,
     /// The KV-feed callout this instance awaits: token, sent at, the version it asked from.
     feed_awaiting: Option<(u32, u64, u64)>,
-    stat_names: Vec<String>,
+    stat_names: StatNames,
     keys: Vec<String>,
     router: Router<SharedIndex<H>>,
     hash: HashConfig,
@@ -160,7 +160,10 @@ impl<H: SharedData> Scheduler<H> {
         }
         let tick = tick_ms(config.scrape.interval_ms);
         Scheduler {
-            stat_names: members.iter().map(|m| stat_token(&m.name)).collect(),
+            stat_names: StatNames {
+                names: members.iter().map(|m| stat_token(&m.name)).collect(),
+                generation: 0,
+            },
             keys: addresses.iter().map(|a| endpoint_key(a)).collect(),
             router: Router::with_store(router_config, addresses.len(), store),
             hash: router_config.hash,
@@ -239,7 +242,7 @@ impl<H: SharedData> Scheduler<H> {
     }
 
     /// Endpoint names as they appear in stat names.
-    pub fn stat_names(&self) -> &[String] {
+    pub fn stat_names(&self) -> &StatNames {
         &self.stat_names
     }
 
@@ -796,7 +799,13 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_endpoints(addresses.len());
         self.ledger.set_endpoints(EndpointIds::new(&addresses));
         self.keys = addresses.iter().map(|a| endpoint_key(a)).collect();
-        self.stat_names = members.iter().map(|m| stat_token(&m.name)).collect();
+        let names: Vec<String> = members.iter().map(|m| stat_token(&m.name)).collect();
+        if names != self.stat_names.names {
+            self.stat_names = StatNames {
+                names,
+                generation: self.stat_names.generation.wrapping_add(1),
+            };
+        }
         self.events.push(Event::Pool {
             members: members.len() as u32,
             routable: members.iter().filter(|m| m.routable).count() as u32,

@@ -132,10 +132,94 @@ pub enum Op {
     Set(u64),
 }
 
+/// Which Envoy stat an update goes to, without the text of its name: the name is built once,
+/// when the stat is defined ([`Stat::name`]), and after that an update finds its metric id by
+/// comparing these (a request's few counters cost no formatting and no allocation).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stat {
+    /// `prefixroute.` + the first part + the second: `("fallback.", "parse_error")`.
+    Fixed(&'static str, &'static str),
+    /// `prefixroute.routed.<policy>.<endpoint>`, by the endpoint's index in the pool.
+    Routed(&'static str, usize),
+    /// `prefixroute.endpoint.<endpoint>.<field>`, by the endpoint's index in the pool.
+    Endpoint(usize, &'static str),
+    /// `prefixroute.endpoint.<name>.<field>` of an endpoint that left the pool.
+    Left(String, &'static str),
+}
+
+impl Stat {
+    /// Named by an endpoint's index, which names another endpoint once the pool changes.
+    pub fn by_index(&self) -> bool {
+        matches!(self, Stat::Routed(..) | Stat::Endpoint(..))
+    }
+
+    /// The stat's name. `names` are the endpoint names, already [`stat_token`]ed.
+    pub fn name(&self, names: &[String]) -> String {
+        let endpoint = |e: usize| names.get(e).map_or("unknown", String::as_str);
+        match self {
+            Stat::Fixed(a, b) => format!("prefixroute.{a}{b}"),
+            Stat::Routed(policy, e) => format!("prefixroute.routed.{policy}.{}", endpoint(*e)),
+            Stat::Endpoint(e, field) => format!("prefixroute.endpoint.{}.{field}", endpoint(*e)),
+            Stat::Left(name, field) => format!("prefixroute.endpoint.{}.{field}", stat_token(name)),
+        }
+    }
+}
+
+/// The pool's endpoint names as stat names ([`stat_token`]), and a number that changes
+/// whenever they do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatNames {
+    pub names: Vec<String>,
+    pub generation: u64,
+}
+
+/// Metric ids by stat, defined on first use (each VM defines its own ids for the same Envoy
+/// stat, so workers add up in one counter). A vector sorted by (kind, stat), searched by
+/// bisection: the same lookups as a `BTreeMap` (a tick's gauges at 1,024 endpoints are ten
+/// comparisons each) without linking a B-tree into the `.wasm` (this and the scheduler's
+/// callouts were the plugin's two `BTreeMap`s: 10 KB). A stat's name is formatted only when it
+/// is defined.
+#[derive(Debug, Default)]
+pub struct MetricIds {
+    ids: Vec<((Kind, Stat), u32)>,
+    generation: u64,
+}
+
+impl MetricIds {
+    /// Forgets the stats named by an endpoint's index when the pool's names changed
+    /// (`generation`, see [`StatNames`]): the index now names another endpoint.
+    pub fn follow(&mut self, generation: u64) {
+        if generation != self.generation {
+            self.ids.retain(|((_, stat), _)| !stat.by_index());
+            self.generation = generation;
+        }
+    }
+
+    /// The id of `stat`, defined with `define(kind, name)` the first time (`None`: the host
+    /// refused it; asked again next time).
+    pub fn id(
+        &mut self,
+        kind: Kind,
+        stat: Stat,
+        names: &[String],
+        define: impl FnOnce(Kind, &str) -> Option<u32>,
+    ) -> Option<u32> {
+        let key = (kind, stat);
+        match self.ids.binary_search_by(|(k, _)| k.cmp(&key)) {
+            Ok(at) => Some(self.ids[at].1),
+            Err(at) => {
+                let id = define(kind, &key.1.name(names))?;
+                self.ids.insert(at, (key, id));
+                Some(id)
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Update {
     pub kind: Kind,
-    pub name: String,
+    pub stat: Stat,
     pub op: Op,
 }
 
@@ -153,93 +237,72 @@ pub fn stat_token(name: &str) -> String {
         .collect()
 }
 
-/// A counter increment per name whose count is not zero.
-fn counts(named: &[(&str, u32)]) -> Vec<Update> {
-    named
-        .iter()
-        .filter(|(_, n)| *n > 0)
-        .map(|&(name, n)| counter(name.to_string(), u64::from(n)))
-        .collect()
-}
-
-fn counter(name: String, n: u64) -> Update {
+fn counter(stat: Stat, n: u64) -> Update {
     Update {
         kind: Kind::Counter,
-        name,
+        stat,
         op: Op::Add(n),
     }
 }
 
-fn gauge(name: String, v: u64) -> Update {
+fn gauge(stat: Stat, v: u64) -> Update {
     Update {
         kind: Kind::Gauge,
-        name,
+        stat,
         op: Op::Set(v),
     }
 }
 
-/// The metric updates of one event. `names` are the endpoint names, already [`stat_token`]ed.
-pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
-    let name = |e: usize| names.get(e).map_or("unknown", String::as_str);
+/// `prefixroute.<name>`.
+fn fixed(name: &'static str) -> Stat {
+    Stat::Fixed(name, "")
+}
+
+fn callout_end(end: CalloutEnd) -> &'static str {
+    match end {
+        CalloutEnd::Ok => "ok",
+        CalloutEnd::Failed => "failures",
+        CalloutEnd::Unparseable => "parse_errors",
+        CalloutEnd::DispatchError => "dispatch_errors",
+    }
+}
+
+/// The metric updates of one event, in order, each handed to `emit` (no vector per event).
+/// Counts of zero are left out.
+pub fn updates(event: &Event, mut emit: impl FnMut(Update)) {
+    let mut count = |name: &'static str, n: u64| {
+        if n > 0 {
+            emit(counter(fixed(name), n));
+        }
+    };
     match event {
-        Event::Request => vec![counter("prefixroute.requests".into(), 1)],
+        Event::Request => count("requests", 1),
         Event::Routed {
             policy,
             endpoint,
             cold,
         } => {
-            let mut v = vec![counter(
-                format!("prefixroute.routed.{}.{}", policy.name(), name(*endpoint)),
-                1,
-            )];
+            emit(counter(Stat::Routed(policy.name(), *endpoint), 1));
             if *cold {
-                v.push(counter("prefixroute.cold".into(), 1));
+                emit(counter(fixed("cold"), 1));
             }
-            v
         }
         Event::Fallback { reason, .. } => {
-            vec![counter(
-                format!("prefixroute.fallback.{}", reason.name()),
-                1,
-            )]
+            emit(counter(Stat::Fixed("fallback.", reason.name()), 1));
         }
-        Event::HeaderError => vec![counter("prefixroute.header_errors".into(), 1)],
-        Event::CasGiveUps(n) => vec![counter(
-            "prefixroute.shared_data.cas_give_ups".into(),
-            u64::from(*n),
-        )],
+        Event::HeaderError => count("header_errors", 1),
+        Event::CasGiveUps(n) => emit(counter(fixed("shared_data.cas_give_ups"), u64::from(*n))),
         Event::SharedDataErrors(n) => {
-            vec![counter(
-                "prefixroute.shared_data.errors".into(),
-                u64::from(*n),
-            )]
+            emit(counter(fixed("shared_data.errors"), u64::from(*n)));
         }
         Event::Scrape { end, .. } => {
-            let what = match end {
-                CalloutEnd::Ok => "ok",
-                CalloutEnd::Failed => "failures",
-                CalloutEnd::Unparseable => "parse_errors",
-                CalloutEnd::DispatchError => "dispatch_errors",
-            };
-            vec![counter(format!("prefixroute.scrape.{what}"), 1)]
+            emit(counter(Stat::Fixed("scrape.", callout_end(*end)), 1));
         }
         Event::Discovery(end) => {
-            let what = match end {
-                CalloutEnd::Ok => "ok",
-                CalloutEnd::Failed => "failures",
-                CalloutEnd::Unparseable => "parse_errors",
-                CalloutEnd::DispatchError => "dispatch_errors",
-            };
-            vec![counter(format!("prefixroute.discovery.{what}"), 1)]
+            emit(counter(Stat::Fixed("discovery.", callout_end(*end)), 1));
         }
         Event::KvFeed(end) => {
-            let what = match end {
-                CalloutEnd::Ok => "ok",
-                CalloutEnd::Failed => "failures",
-                CalloutEnd::Unparseable => "parse_errors",
-                CalloutEnd::DispatchError => "dispatch_errors",
-            };
-            vec![counter(format!("prefixroute.kv.fetch.{what}"), 1)]
+            emit(counter(Stat::Fixed("kv.fetch.", callout_end(*end)), 1));
         }
         Event::KvApplied {
             stored,
@@ -247,65 +310,67 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             cleared,
             lost,
             ends,
-        } => vec![
-            counter("prefixroute.kv.stored".into(), *stored),
-            counter("prefixroute.kv.removed".into(), *removed),
-            counter("prefixroute.kv.cleared".into(), u64::from(*cleared)),
-            counter("prefixroute.kv.lost".into(), u64::from(*lost)),
-            counter("prefixroute.kv.ends_marked".into(), *ends),
-        ],
-        Event::DiscoverySkipped(n) => vec![counter(
-            "prefixroute.discovery.skipped_hosts".into(),
-            u64::from(*n),
-        )],
+        } => {
+            for (name, n) in [
+                ("kv.stored", *stored),
+                ("kv.removed", *removed),
+                ("kv.cleared", u64::from(*cleared)),
+                ("kv.lost", u64::from(*lost)),
+                ("kv.ends_marked", *ends),
+            ] {
+                emit(counter(fixed(name), n));
+            }
+        }
+        Event::DiscoverySkipped(n) => {
+            emit(counter(fixed("discovery.skipped_hosts"), u64::from(*n)))
+        }
         Event::MembershipChanged {
             added,
             removed,
             updated,
-        } => vec![
-            counter("prefixroute.pool.changes".into(), 1),
-            counter("prefixroute.pool.added".into(), u64::from(*added)),
-            counter("prefixroute.pool.removed".into(), u64::from(*removed)),
-            counter("prefixroute.pool.updated".into(), u64::from(*updated)),
-        ],
-        Event::Pool { members, routable } => vec![
-            gauge("prefixroute.pool.members".into(), u64::from(*members)),
-            gauge("prefixroute.pool.routable".into(), u64::from(*routable)),
-        ],
+        } => {
+            for (name, n) in [
+                ("pool.changes", 1),
+                ("pool.added", *added),
+                ("pool.removed", *removed),
+                ("pool.updated", *updated),
+            ] {
+                emit(counter(fixed(name), u64::from(n)));
+            }
+        }
+        Event::Pool { members, routable } => {
+            emit(gauge(fixed("pool.members"), u64::from(*members)));
+            emit(gauge(fixed("pool.routable"), u64::from(*routable)));
+        }
         Event::EndpointLeft(endpoint) => {
-            let e = stat_token(endpoint);
-            vec![
-                gauge(format!("prefixroute.endpoint.{e}.in_flight"), 0),
-                gauge(format!("prefixroute.endpoint.{e}.prefill_tokens"), 0),
-                gauge(format!("prefixroute.endpoint.{e}.down"), 1),
-            ]
+            for (field, v) in [("in_flight", 0), ("prefill_tokens", 0), ("down", 1)] {
+                emit(gauge(Stat::Left(endpoint.clone(), field), v));
+            }
         }
-        Event::EndpointDown(_) => vec![counter("prefixroute.endpoint_down".into(), 1)],
-        Event::EndpointUp(_) => vec![counter("prefixroute.endpoint_up".into(), 1)],
-        Event::IndexForgotten(_) => vec![counter("prefixroute.index_forgotten".into(), 1)],
-        Event::CapacityUnreported(_) => {
-            vec![counter("prefixroute.scrape.no_capacity".into(), 1)]
+        Event::EndpointDown(_) => count("endpoint_down", 1),
+        Event::EndpointUp(_) => count("endpoint_up", 1),
+        Event::IndexForgotten(_) => count("index_forgotten", 1),
+        Event::CapacityUnreported(_) => count("scrape.no_capacity", 1),
+        Event::HashMemo { hits, misses } => {
+            count("hash_memo.hits", u64::from(*hits));
+            count("hash_memo.misses", u64::from(*misses));
         }
-        Event::HashMemo { hits, misses } => counts(&[
-            ("prefixroute.hash_memo.hits", *hits),
-            ("prefixroute.hash_memo.misses", *misses),
-        ]),
-        Event::Observations { used, refused } => counts(&[
-            ("prefixroute.latency.observations", *used),
-            ("prefixroute.latency.observations_refused", *refused),
-        ]),
+        Event::Observations { used, refused } => {
+            count("latency.observations", u64::from(*used));
+            count("latency.observations_refused", u64::from(*refused));
+        }
         Event::Learned {
             lanes,
             fewest_lanes,
             hold_us,
-        } => vec![
-            gauge("prefixroute.latency.lanes".into(), u64::from(*lanes)),
-            gauge(
-                "prefixroute.latency.fewest_lanes".into(),
+        } => {
+            emit(gauge(fixed("latency.lanes"), u64::from(*lanes)));
+            emit(gauge(
+                fixed("latency.fewest_lanes"),
                 u64::from(*fewest_lanes),
-            ),
-            gauge("prefixroute.latency.hold_us".into(), *hold_us),
-        ],
+            ));
+            emit(gauge(fixed("latency.hold_us"), *hold_us));
+        }
         Event::Gauges {
             endpoint,
             in_flight,
@@ -315,30 +380,16 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
             down,
             precise,
         } => {
-            let e = name(*endpoint);
-            vec![
-                gauge(
-                    format!("prefixroute.endpoint.{e}.in_flight"),
-                    u64::from(*in_flight),
-                ),
-                gauge(
-                    format!("prefixroute.endpoint.{e}.prefill_tokens"),
-                    *prefill_tokens,
-                ),
-                gauge(
-                    format!("prefixroute.endpoint.{e}.capacity_blocks"),
-                    *capacity_blocks,
-                ),
-                gauge(
-                    format!("prefixroute.endpoint.{e}.prefill_ns_per_token"),
-                    *prefill_ns_per_token,
-                ),
-                gauge(format!("prefixroute.endpoint.{e}.down"), u64::from(*down)),
-                gauge(
-                    format!("prefixroute.endpoint.{e}.precise"),
-                    u64::from(*precise),
-                ),
-            ]
+            for (field, v) in [
+                ("in_flight", u64::from(*in_flight)),
+                ("prefill_tokens", *prefill_tokens),
+                ("capacity_blocks", *capacity_blocks),
+                ("prefill_ns_per_token", *prefill_ns_per_token),
+                ("down", u64::from(*down)),
+                ("precise", u64::from(*precise)),
+            ] {
+                emit(gauge(Stat::Endpoint(*endpoint, field), v));
+            }
         }
     }
 }
@@ -347,11 +398,26 @@ pub fn updates(event: &Event, names: &[String]) -> Vec<Update> {
 mod tests {
     use super::*;
 
+    /// Each update of `event` as (kind, name, op), the names as Envoy sees them.
+    fn named(event: &Event, names: &[String]) -> Vec<(Kind, String, Op)> {
+        let mut out = Vec::new();
+        updates(event, |u| out.push((u.kind, u.stat.name(names), u.op)));
+        out
+    }
+
+    fn gauge_of(name: &str, v: u64) -> (Kind, String, Op) {
+        (Kind::Gauge, name.to_string(), Op::Set(v))
+    }
+
+    fn counter_of(name: &str, n: u64) -> (Kind, String, Op) {
+        (Kind::Counter, name.to_string(), Op::Add(n))
+    }
+
     #[test]
     fn names() {
         let names = vec![stat_token("replica.1"), stat_token("b")];
         assert_eq!(names[0], "replica_1");
-        let u = updates(
+        let u = named(
             &Event::Routed {
                 policy: Policy::PrefixOnly,
                 endpoint: 0,
@@ -359,17 +425,17 @@ mod tests {
             },
             &names,
         );
-        assert_eq!(u[0].name, "prefixroute.routed.prefix-only.replica_1");
-        assert_eq!(u[1].name, "prefixroute.cold");
-        let u = updates(
+        assert_eq!(u[0].1, "prefixroute.routed.prefix-only.replica_1");
+        assert_eq!(u[1].1, "prefixroute.cold");
+        let u = named(
             &Event::Fallback {
                 reason: FallbackReason::BodyTooLarge,
                 endpoint: 1,
             },
             &names,
         );
-        assert_eq!(u[0].name, "prefixroute.fallback.body_too_large");
-        let u = updates(
+        assert_eq!(u[0].1, "prefixroute.fallback.body_too_large");
+        let u = named(
             &Event::Gauges {
                 endpoint: 1,
                 in_flight: 4,
@@ -384,18 +450,24 @@ mod tests {
         assert_eq!(
             u,
             vec![
-                gauge("prefixroute.endpoint.b.in_flight".into(), 4),
-                gauge("prefixroute.endpoint.b.prefill_tokens".into(), 900),
-                gauge("prefixroute.endpoint.b.capacity_blocks".into(), 128),
-                gauge(
-                    "prefixroute.endpoint.b.prefill_ns_per_token".into(),
-                    500_000
-                ),
-                gauge("prefixroute.endpoint.b.down".into(), 1),
-                gauge("prefixroute.endpoint.b.precise".into(), 1),
+                gauge_of("prefixroute.endpoint.b.in_flight", 4),
+                gauge_of("prefixroute.endpoint.b.prefill_tokens", 900),
+                gauge_of("prefixroute.endpoint.b.capacity_blocks", 128),
+                gauge_of("prefixroute.endpoint.b.prefill_ns_per_token", 500_000),
+                gauge_of("prefixroute.endpoint.b.down", 1),
+                gauge_of("prefixroute.endpoint.b.precise", 1),
             ]
         );
-        let u = updates(
+        let u = named(&Event::EndpointLeft("10.0.0.9:8000".into()), &names);
+        assert_eq!(
+            u,
+            vec![
+                gauge_of("prefixroute.endpoint.10_0_0_9_8000.in_flight", 0),
+                gauge_of("prefixroute.endpoint.10_0_0_9_8000.prefill_tokens", 0),
+                gauge_of("prefixroute.endpoint.10_0_0_9_8000.down", 1),
+            ]
+        );
+        let u = named(
             &Event::Learned {
                 lanes: 8,
                 fewest_lanes: 2,
@@ -406,14 +478,14 @@ mod tests {
         assert_eq!(
             u,
             vec![
-                gauge("prefixroute.latency.lanes".into(), 8),
-                gauge("prefixroute.latency.fewest_lanes".into(), 2),
-                gauge("prefixroute.latency.hold_us".into(), 1500),
+                gauge_of("prefixroute.latency.lanes", 8),
+                gauge_of("prefixroute.latency.fewest_lanes", 2),
+                gauge_of("prefixroute.latency.hold_us", 1500),
             ]
         );
-        let u = updates(&Event::HashMemo { hits: 2, misses: 0 }, &names);
-        assert_eq!(u, vec![counter("prefixroute.hash_memo.hits".into(), 2)]);
-        let u = updates(
+        let u = named(&Event::HashMemo { hits: 2, misses: 0 }, &names);
+        assert_eq!(u, vec![counter_of("prefixroute.hash_memo.hits", 2)]);
+        let u = named(
             &Event::Observations {
                 used: 3,
                 refused: 1,
@@ -423,13 +495,142 @@ mod tests {
         assert_eq!(
             u,
             vec![
-                counter("prefixroute.latency.observations".into(), 3),
-                counter("prefixroute.latency.observations_refused".into(), 1)
+                counter_of("prefixroute.latency.observations", 3),
+                counter_of("prefixroute.latency.observations_refused", 1)
             ]
         );
-        let u = updates(&Event::CapacityUnreported(0), &names);
-        assert_eq!(u[0].name, "prefixroute.scrape.no_capacity");
-        let u = updates(&Event::CasGiveUps(3), &names);
-        assert_eq!(u[0].op, Op::Add(3));
+        let u = named(&Event::CapacityUnreported(0), &names);
+        assert_eq!(u[0].1, "prefixroute.scrape.no_capacity");
+        let u = named(&Event::CasGiveUps(3), &names);
+        assert_eq!(u[0].2, Op::Add(3));
+        let u = named(&Event::KvFeed(CalloutEnd::Unparseable), &names);
+        assert_eq!(u[0].1, "prefixroute.kv.fetch.parse_errors");
+        // Counts of zero still define these stats (they show 0 rather than nothing).
+        let u = named(
+            &Event::KvApplied {
+                stored: 5,
+                removed: 0,
+                cleared: 0,
+                lost: 0,
+                ends: 1,
+            },
+            &names,
+        );
+        assert_eq!(u.len(), 5);
+        assert_eq!(u[1], counter_of("prefixroute.kv.removed", 0));
+        assert_eq!(u[4], counter_of("prefixroute.kv.ends_marked", 1));
+    }
+
+    /// Defines every name it is asked for, numbering them, and remembers the names.
+    fn defining(defined: &mut Vec<String>) -> impl FnOnce(Kind, &str) -> Option<u32> + '_ {
+        |_, name| {
+            defined.push(name.to_string());
+            Some(defined.len() as u32)
+        }
+    }
+
+    #[test]
+    fn a_stat_is_named_and_defined_once_then_found_by_its_id() {
+        let names = vec!["a".to_string(), "b".to_string()];
+        let mut ids = MetricIds::default();
+        let mut defined = Vec::new();
+        let routed = Stat::Routed("latency", 1);
+        let first = ids.id(
+            Kind::Counter,
+            routed.clone(),
+            &names,
+            defining(&mut defined),
+        );
+        let again = ids.id(Kind::Counter, routed, &names, defining(&mut defined));
+        assert_eq!((first, again), (Some(1), Some(1)));
+        let other = ids.id(
+            Kind::Counter,
+            fixed("requests"),
+            &names,
+            defining(&mut defined),
+        );
+        assert_eq!(other, Some(2));
+        assert_eq!(
+            defined,
+            ["prefixroute.routed.latency.b", "prefixroute.requests"]
+        );
+        // The same stat as another kind is another metric.
+        let gauge = ids.id(
+            Kind::Gauge,
+            fixed("requests"),
+            &names,
+            defining(&mut defined),
+        );
+        assert_eq!(gauge, Some(3));
+    }
+
+    #[test]
+    fn a_refused_definition_is_asked_again_next_time() {
+        let mut ids = MetricIds::default();
+        assert_eq!(ids.id(Kind::Counter, fixed("cold"), &[], |_, _| None), None);
+        let mut defined = Vec::new();
+        let id = ids.id(Kind::Counter, fixed("cold"), &[], defining(&mut defined));
+        assert_eq!((id, defined.len()), (Some(1), 1));
+    }
+
+    #[test]
+    fn when_the_pool_changes_an_index_names_the_endpoint_now_there() {
+        let mut ids = MetricIds::default();
+        let mut defined = Vec::new();
+        let before = vec!["a".to_string(), "b".to_string()];
+        ids.follow(0);
+        ids.id(
+            Kind::Counter,
+            Stat::Routed("latency", 0),
+            &before,
+            defining(&mut defined),
+        );
+        ids.id(
+            Kind::Gauge,
+            Stat::Endpoint(0, "down"),
+            &before,
+            defining(&mut defined),
+        );
+        ids.id(
+            Kind::Counter,
+            fixed("requests"),
+            &before,
+            defining(&mut defined),
+        );
+        // `a` left: index 0 is now `b`.
+        let after = vec!["b".to_string()];
+        ids.follow(1);
+        let routed = ids.id(
+            Kind::Counter,
+            Stat::Routed("latency", 0),
+            &after,
+            defining(&mut defined),
+        );
+        ids.id(
+            Kind::Gauge,
+            Stat::Endpoint(0, "down"),
+            &after,
+            defining(&mut defined),
+        );
+        let requests = ids.id(Kind::Counter, fixed("requests"), &after, |_, _| {
+            panic!("a fixed name keeps its id")
+        });
+        assert_eq!((routed, requests), (Some(4), Some(3)));
+        assert_eq!(
+            defined,
+            [
+                "prefixroute.routed.latency.a",
+                "prefixroute.endpoint.a.down",
+                "prefixroute.requests",
+                "prefixroute.routed.latency.b",
+                "prefixroute.endpoint.b.down",
+            ]
+        );
+        // The same generation again changes nothing.
+        ids.follow(1);
+        let kept = ids.id(Kind::Counter, Stat::Routed("latency", 0), &after, |_, _| {
+            None
+        });
+        assert_eq!(kept, Some(4));
     }
 }

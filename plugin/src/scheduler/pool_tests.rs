@@ -165,6 +165,21 @@ fn a_new_member_gets_traffic_and_a_removed_one_gets_none_after_the_change() {
         .drain_events()
         .iter()
         .any(|e| *e == Event::EndpointLeft("b".into())));
+    // Index 1 was `b` and is `c` now: the stats named by index must be named again.
+    assert_eq!(w2.stat_names().names, ["a", "c"]);
+    let generation = w2.stat_names().generation;
+    assert_ne!(generation, 0);
+    discover(
+        &mut w1,
+        3000,
+        &page(&[(8001, "a", true), (8003, "c", false)]),
+    );
+    w2.tick(3001);
+    assert_eq!(
+        w2.stat_names().generation,
+        generation,
+        "the same names (c is unhealthy, not gone) keep their generation"
+    );
 }
 
 #[test]
