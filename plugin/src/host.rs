@@ -26,8 +26,8 @@ impl SharedData for HostShared {
     }
 }
 
-/// Envoy's stats: each update's metric id from [`MetricIds`], defined on first use, then the
-/// increment or the gauge's value.
+/// Envoy's stats: what [`MetricIds`] says to send for each update (the metric defined on
+/// first use; an increment, or a gauge's new value).
 #[derive(Debug, Default)]
 pub struct Metrics {
     ids: MetricIds,
@@ -38,7 +38,7 @@ impl Metrics {
         self.ids.follow(names.generation);
         for event in events {
             updates(event, |u| {
-                let defined = self.ids.id(u.kind, u.stat, &names.names, |kind, name| {
+                let sent = self.ids.settle(u, &names.names, |kind, name| {
                     let kind = match kind {
                         Kind::Counter => MetricType::Counter,
                         Kind::Gauge => MetricType::Gauge,
@@ -46,13 +46,12 @@ impl Metrics {
                     // A metric the host refuses is skipped, never fatal.
                     abi::define_metric(kind, name).ok()
                 });
-                let Some(id) = defined else {
-                    return;
-                };
-                let _ = match u.op {
-                    Op::Add(0) => Ok(()),
-                    Op::Add(n) => abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX)),
-                    Op::Set(v) => abi::record_metric(id, v),
+                let _ = match sent {
+                    None => Ok(()),
+                    Some((id, Op::Add(n))) => {
+                        abi::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX))
+                    }
+                    Some((id, Op::Set(v))) => abi::record_metric(id, v),
                 };
             });
         }

@@ -174,15 +174,22 @@ pub struct StatNames {
 }
 
 /// Metric ids by stat, defined on first use (each VM defines its own ids for the same Envoy
-/// stat, so workers add up in one counter). A vector sorted by (kind, stat), searched by
-/// bisection: the same lookups as a `BTreeMap` (a tick's gauges at 1,024 endpoints are ten
-/// comparisons each) without linking a B-tree into the `.wasm` (this and the scheduler's
-/// callouts were the plugin's two `BTreeMap`s: 10 KB). A stat's name is formatted only when it
-/// is defined.
+/// stat, so workers add up in one counter), and the value this VM last gave each gauge. A
+/// vector sorted by (kind, stat), searched by bisection: the same lookups as a `BTreeMap` (a
+/// tick's gauges at 1,024 endpoints are ten comparisons each) without linking a B-tree into
+/// the `.wasm` (this and the scheduler's callouts were the plugin's two `BTreeMap`s: 10 KB). A
+/// stat's name is formatted only when it is defined.
 #[derive(Debug, Default)]
 pub struct MetricIds {
-    ids: Vec<((Kind, Stat), u32)>,
+    ids: Vec<((Kind, Stat), Metric)>,
     generation: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Metric {
+    id: u32,
+    /// The value this VM last set (gauges).
+    last: Option<u64>,
 }
 
 impl MetricIds {
@@ -195,23 +202,36 @@ impl MetricIds {
         }
     }
 
-    /// The id of `stat`, defined with `define(kind, name)` the first time (`None`: the host
-    /// refused it; asked again next time).
-    pub fn id(
+    /// What to tell the host for `u`: its metric's id, defined with `define(kind, name)` the
+    /// first time, and the operation; `None` when there is nothing to send: the host refused
+    /// the definition (asked again next time), a count of zero (defined all the same, so the
+    /// stat shows 0), or a gauge set to the value this VM last gave it. Every worker sets the
+    /// endpoint gauges from the same shared state on every tick, so an unchanged value is
+    /// already there, and a tick at 64 endpoints makes 384 fewer host calls.
+    pub fn settle(
         &mut self,
-        kind: Kind,
-        stat: Stat,
+        u: Update,
         names: &[String],
         define: impl FnOnce(Kind, &str) -> Option<u32>,
-    ) -> Option<u32> {
-        let key = (kind, stat);
-        match self.ids.binary_search_by(|(k, _)| k.cmp(&key)) {
-            Ok(at) => Some(self.ids[at].1),
+    ) -> Option<(u32, Op)> {
+        let key = (u.kind, u.stat);
+        let at = match self.ids.binary_search_by(|(k, _)| k.cmp(&key)) {
+            Ok(at) => at,
             Err(at) => {
-                let id = define(kind, &key.1.name(names))?;
-                self.ids.insert(at, (key, id));
-                Some(id)
+                let id = define(key.0, &key.1.name(names))?;
+                self.ids.insert(at, (key, Metric { id, last: None }));
+                at
             }
+        };
+        let metric = &mut self.ids[at].1;
+        match u.op {
+            Op::Add(0) => None,
+            Op::Set(v) if metric.last == Some(v) => None,
+            Op::Set(v) => {
+                metric.last = Some(v);
+                Some((metric.id, u.op))
+            }
+            Op::Add(_) => Some((metric.id, u.op)),
         }
     }
 }
@@ -529,48 +549,67 @@ mod tests {
         }
     }
 
+    fn add(stat: Stat, n: u64) -> Update {
+        counter(stat, n)
+    }
+
+    fn set(stat: Stat, v: u64) -> Update {
+        gauge(stat, v)
+    }
+
     #[test]
     fn a_stat_is_named_and_defined_once_then_found_by_its_id() {
         let names = vec!["a".to_string(), "b".to_string()];
         let mut ids = MetricIds::default();
         let mut defined = Vec::new();
         let routed = Stat::Routed("latency", 1);
-        let first = ids.id(
-            Kind::Counter,
-            routed.clone(),
-            &names,
-            defining(&mut defined),
-        );
-        let again = ids.id(Kind::Counter, routed, &names, defining(&mut defined));
-        assert_eq!((first, again), (Some(1), Some(1)));
-        let other = ids.id(
-            Kind::Counter,
-            fixed("requests"),
-            &names,
-            defining(&mut defined),
-        );
-        assert_eq!(other, Some(2));
+        let first = ids.settle(add(routed.clone(), 1), &names, defining(&mut defined));
+        let again = ids.settle(add(routed, 2), &names, defining(&mut defined));
+        assert_eq!(first, Some((1, Op::Add(1))));
+        assert_eq!(again, Some((1, Op::Add(2))));
+        let other = ids.settle(add(fixed("requests"), 1), &names, defining(&mut defined));
+        assert_eq!(other, Some((2, Op::Add(1))));
         assert_eq!(
             defined,
             ["prefixroute.routed.latency.b", "prefixroute.requests"]
         );
         // The same stat as another kind is another metric.
-        let gauge = ids.id(
-            Kind::Gauge,
-            fixed("requests"),
-            &names,
-            defining(&mut defined),
-        );
-        assert_eq!(gauge, Some(3));
+        let gauge = ids.settle(set(fixed("requests"), 7), &names, defining(&mut defined));
+        assert_eq!(gauge, Some((3, Op::Set(7))));
+    }
+
+    #[test]
+    fn a_count_of_zero_defines_its_stat_and_sends_nothing() {
+        let mut ids = MetricIds::default();
+        let mut defined = Vec::new();
+        let zero = ids.settle(add(fixed("kv.lost"), 0), &[], defining(&mut defined));
+        assert_eq!((zero, defined.len()), (None, 1));
+    }
+
+    #[test]
+    fn a_gauge_is_sent_only_when_its_value_changes() {
+        let mut ids = MetricIds::default();
+        let mut defined = Vec::new();
+        let names = vec!["a".to_string()];
+        let down = || Stat::Endpoint(0, "down");
+        let mut sent = |ids: &mut MetricIds, v| {
+            ids.settle(set(down(), v), &names, defining(&mut defined))
+                .map(|(_, op)| op)
+        };
+        assert_eq!(sent(&mut ids, 0), Some(Op::Set(0)));
+        assert_eq!(sent(&mut ids, 0), None);
+        assert_eq!(sent(&mut ids, 1), Some(Op::Set(1)));
+        assert_eq!(sent(&mut ids, 1), None);
+        assert_eq!(sent(&mut ids, 0), Some(Op::Set(0)));
     }
 
     #[test]
     fn a_refused_definition_is_asked_again_next_time() {
         let mut ids = MetricIds::default();
-        assert_eq!(ids.id(Kind::Counter, fixed("cold"), &[], |_, _| None), None);
+        assert_eq!(ids.settle(add(fixed("cold"), 1), &[], |_, _| None), None);
         let mut defined = Vec::new();
-        let id = ids.id(Kind::Counter, fixed("cold"), &[], defining(&mut defined));
-        assert_eq!((id, defined.len()), (Some(1), 1));
+        let sent = ids.settle(add(fixed("cold"), 1), &[], defining(&mut defined));
+        assert_eq!((sent, defined.len()), (Some((1, Op::Add(1))), 1));
     }
 
     #[test]
@@ -579,43 +618,22 @@ mod tests {
         let mut defined = Vec::new();
         let before = vec!["a".to_string(), "b".to_string()];
         ids.follow(0);
-        ids.id(
-            Kind::Counter,
-            Stat::Routed("latency", 0),
-            &before,
-            defining(&mut defined),
-        );
-        ids.id(
-            Kind::Gauge,
-            Stat::Endpoint(0, "down"),
-            &before,
-            defining(&mut defined),
-        );
-        ids.id(
-            Kind::Counter,
-            fixed("requests"),
-            &before,
-            defining(&mut defined),
-        );
-        // `a` left: index 0 is now `b`.
+        let routed = || add(Stat::Routed("latency", 0), 1);
+        let down = || set(Stat::Endpoint(0, "down"), 0);
+        ids.settle(routed(), &before, defining(&mut defined));
+        ids.settle(down(), &before, defining(&mut defined));
+        ids.settle(add(fixed("requests"), 1), &before, defining(&mut defined));
+        // `a` left: index 0 is now `b`, whose gauge was never set by this VM.
         let after = vec!["b".to_string()];
         ids.follow(1);
-        let routed = ids.id(
-            Kind::Counter,
-            Stat::Routed("latency", 0),
-            &after,
-            defining(&mut defined),
-        );
-        ids.id(
-            Kind::Gauge,
-            Stat::Endpoint(0, "down"),
-            &after,
-            defining(&mut defined),
-        );
-        let requests = ids.id(Kind::Counter, fixed("requests"), &after, |_, _| {
+        let to_b = ids.settle(routed(), &after, defining(&mut defined));
+        let b_down = ids.settle(down(), &after, defining(&mut defined));
+        let requests = ids.settle(add(fixed("requests"), 1), &after, |_, _| {
             panic!("a fixed name keeps its id")
         });
-        assert_eq!((routed, requests), (Some(4), Some(3)));
+        assert_eq!(to_b, Some((4, Op::Add(1))));
+        assert_eq!(b_down, Some((5, Op::Set(0))));
+        assert_eq!(requests, Some((3, Op::Add(1))));
         assert_eq!(
             defined,
             [
@@ -628,9 +646,6 @@ mod tests {
         );
         // The same generation again changes nothing.
         ids.follow(1);
-        let kept = ids.id(Kind::Counter, Stat::Routed("latency", 0), &after, |_, _| {
-            None
-        });
-        assert_eq!(kept, Some(4));
+        assert_eq!(ids.settle(down(), &after, |_, _| None), None);
     }
 }
