@@ -233,7 +233,13 @@ impl HttpContext for Filter {
         };
         let name = e.name(choice.endpoint).to_string();
         drop(e);
-        let mut headers = vec![("x-prefixroute-endpoint", name)];
+        // Each header written as it is made, without a list of them.
+        let put = |header: &str, value: &str| {
+            if abi::replace_header(MapType::HttpResponseHeaders, header, value).is_err() {
+                self.count(Event::HeaderError);
+            }
+        };
+        put("x-prefixroute-endpoint", &name);
         match choice.route {
             Route::Routed {
                 policy,
@@ -242,28 +248,23 @@ impl HttpContext for Filter {
                 prediction,
                 ..
             } => {
-                headers.push(("x-prefixroute-policy", policy.name().to_string()));
-                headers.push((
+                put("x-prefixroute-policy", policy.name());
+                put(
                     "x-prefixroute-match",
-                    format!("{matched_blocks}/{total_blocks}"),
-                ));
+                    &format!("{matched_blocks}/{total_blocks}"),
+                );
                 if let Some(p) = prediction {
-                    headers.push((
+                    put(
                         "x-prefixroute-uncached-tokens",
-                        p.uncached_tokens.to_string(),
-                    ));
-                    headers.push(("x-prefixroute-queue-ms", whole_ms(p.queue_ms).to_string()));
-                    headers.push(("x-prefixroute-ttft-ms", whole_ms(p.ttft_ms).to_string()));
+                        &p.uncached_tokens.to_string(),
+                    );
+                    put("x-prefixroute-queue-ms", &whole_ms(p.queue_ms).to_string());
+                    put("x-prefixroute-ttft-ms", &whole_ms(p.ttft_ms).to_string());
                 }
             }
             Route::Fallback(reason) => {
-                headers.push(("x-prefixroute-policy", "fallback".to_string()));
-                headers.push(("x-prefixroute-fallback", reason.name().to_string()));
-            }
-        }
-        for (name, value) in headers {
-            if abi::replace_header(MapType::HttpResponseHeaders, name, &value).is_err() {
-                self.count(Event::HeaderError);
+                put("x-prefixroute-policy", "fallback");
+                put("x-prefixroute-fallback", reason.name());
             }
         }
         Action::Continue
