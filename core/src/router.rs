@@ -18,7 +18,7 @@ use crate::latency::{
 };
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
-pub use crate::config::{Policy, RouterConfig, SaturationFilter, Weights};
+pub use crate::config::{Placement, Policy, RouterConfig, SaturationFilter, Weights};
 pub use crate::scorer::EndpointLoad;
 
 /// One endpoint's view of a decision: every scorer's output and the weighted total.
@@ -73,6 +73,10 @@ pub struct Decision {
     /// The turn of the earlier request this one continues on some eligible endpoint (its
     /// group grows); `None` when it starts a group.
     pub continued: Option<Turn>,
+    /// `placement: consistent`: the group's home, believed to hold the group's head (its
+    /// `matched_blocks` count it) and preferred among near-ties ([`group_head`]).
+    #[serde(default)]
+    pub home: Option<usize>,
 }
 
 impl Decision {
@@ -279,6 +283,18 @@ pub struct Matches {
 }
 
 impl Matches {
+    /// Believes `endpoint` holds at least the first `blocks` blocks of chain `chain`.
+    fn believe_at_least(&mut self, endpoint: usize, chain: usize, blocks: usize) {
+        if chain < self.chains {
+            if let Some(b) = self
+                .blocks
+                .get_mut(endpoint.saturating_mul(self.chains) + chain)
+            {
+                *b = (*b).max(blocks);
+            }
+        }
+    }
+
     /// The believed-held blocks of each of the request's chains on `endpoint` (empty for an
     /// endpoint it does not know).
     pub fn of(&self, endpoint: usize) -> &[usize] {
@@ -382,6 +398,8 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
+    /// The request's home while it is picked (`placement: consistent`): near-ties go there.
+    tie_home: Option<usize>,
 }
 
 impl Router<PrefixIndex> {
@@ -407,6 +425,7 @@ impl<S: PrefixStore> Router<S> {
             ends: RecentEnds::new(),
             starts: PrefixRates::default(),
             tie_key: None,
+            tie_home: None,
         }
     }
 
@@ -496,7 +515,11 @@ impl<S: PrefixStore> Router<S> {
         };
         let policy = self.config.policy;
         let filter = eligibility(policy, loads, self.config.saturation);
-        let matches = self.believed_matches(hashes);
+        let mut matches = self.believed_matches(hashes);
+        let home = self.consistent_home(hashes, &filter.eligible);
+        if let Some((home, head)) = home {
+            matches.believe_at_least(home, 0, head);
+        }
         let cold = !(0..n).any(|e| filter.eligible[e] && matches.of(e).iter().any(|&b| b > 0));
         let continued = continued_turn(&matches, &filter.eligible);
         let scores = self.score(hashes, &matches, loads, &filter, cold, continued);
@@ -511,8 +534,10 @@ impl<S: PrefixStore> Router<S> {
             &filter.eligible
         };
         self.tie_key = hashes.chains.iter().find_map(|c| c.first().copied());
+        self.tie_home = home.map(|(e, _)| e);
         let (endpoint, tie) = self.choose(&scores, choosable);
         self.tie_key = None;
+        self.tie_home = None;
         let (runner_up, next_best) = match policy {
             Policy::RoundRobin | Policy::Random => {
                 let rotation = (1..n)
@@ -544,7 +569,23 @@ impl<S: PrefixStore> Router<S> {
             tie,
             all_down: filter.all_down,
             continued,
+            home: home.map(|(e, _)| e),
         })
+    }
+
+    /// `placement: consistent` under `latency`: the eligible endpoint every router sends the
+    /// request's group to (rendezvous hashing of its head's last block, see [`group_head`]),
+    /// and the head's length in blocks.
+    fn consistent_home(&self, hashes: &BlockHashes, eligible: &[bool]) -> Option<(usize, usize)> {
+        if self.config.placement != Placement::Consistent || self.config.policy != Policy::Latency {
+            return None;
+        }
+        let (head, key) = group_head(hashes)?;
+        let candidates: Vec<usize> = (0..self.endpoints).filter(|&e| eligible[e]).collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        Some((rendezvous(&candidates, key), head))
     }
 
     /// What the index believes of each endpoint for this request: the blocks of each chain it
@@ -905,7 +946,7 @@ impl<S: PrefixStore> Router<S> {
             .map(|(s, _)| s.total)
             .fold(f64::NEG_INFINITY, f64::max);
         let tied: Vec<usize> = if self.config.policy == Policy::Latency {
-            latency_tied(scores, eligible, -best)
+            latency_tied(scores, eligible, -best, self.tie_home)
         } else {
             (0..scores.len())
                 .filter(|&i| eligible[i] && scores[i].total == best)
@@ -934,7 +975,8 @@ pub const TIE_SHARE: f64 = 0.02;
 pub const TIE_MS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
-/// narrowed to where the request's group lives if it lives on one of them, then to those with
+/// narrowed to where the request's group lives if it lives on one of them, else to its `home`
+/// if that is among them (`placement: consistent`), then to those with
 /// the fewest requests holding their lanes, then to those with the most free believed cache
 /// once the groups living there grow (a new prefix goes where it fits, as sglang-router's
 /// "smallest tree"; the growth counted as taken, as the room price counts it).
@@ -946,15 +988,23 @@ pub const TIE_MS: f64 = 1.0;
 /// fewest holders is where a request surely finds a lane, whatever the lane count
 /// (measured in docs/benchmarks.md: nothing-shared traffic at 1 ms/token, TTFT p95 1.12x the
 /// bound's over 16 seeds, worst 1.73x, then 1.00x on every seed).
-fn latency_tied(scores: &[EndpointScores], eligible: &[bool], best_cost: f64) -> Vec<usize> {
+fn latency_tied(
+    scores: &[EndpointScores],
+    eligible: &[bool],
+    best_cost: f64,
+    home: Option<usize>,
+) -> Vec<usize> {
     let tolerance = (best_cost.abs() * TIE_SHARE).max(TIE_MS);
     let mut tied: Vec<usize> = (0..scores.len())
         .filter(|&i| eligible[i] && -scores[i].total <= best_cost + tolerance)
         .collect();
     // A move within the prediction's precision buys nothing and costs the group's history
-    // later: among ties, a request stays where its group lives.
+    // later: among ties, a request stays where its group lives, else goes to its home
+    // (`placement: consistent`), where every other gateway sends it too.
     if tied.iter().any(|&i| scores[i].continues) {
         tied.retain(|&i| scores[i].continues);
+    } else if let Some(home) = home.filter(|h| tied.contains(h)) {
+        return vec![home];
     }
     keep_least(&mut tied, |i| {
         scores[i].prediction.map_or(0.0, |p| p.backlog.holders)
@@ -989,6 +1039,32 @@ pub fn rendezvous(tied: &[usize], key: u64) -> usize {
         .copied()
         .max_by_key(|&e| (weight(e), std::cmp::Reverse(e)))
         .unwrap_or(0)
+}
+
+/// A request's group head, for `placement: consistent`: how many leading blocks of its
+/// (first) chain every request of its group is expected to share, and the hash of the last of
+/// them (the key its home is hashed by, see [`rendezvous`]). From the message boundaries the
+/// chain records ([`BlockHashes::marks`]):
+///
+/// * two or more: the request carries an earlier exchange (a conversation's later turn, a
+///   few-shot prompt): through its second boundary, which every later turn repeats (the
+///   system prompt and the first user message), so each conversation has its own home;
+/// * one: through the first message (a tenant's system prompt, a document in its own
+///   message), which the group's questions share;
+/// * none: the first block (a single-message prompt; its head is not known from one request).
+///
+/// `None` for a request without a full block.
+pub fn group_head(hashes: &BlockHashes) -> Option<(usize, u64)> {
+    let chain = hashes.chains.first()?;
+    let marks = hashes.marks.first().map_or(&[][..], Vec::as_slice);
+    let head = match marks {
+        [_, second, ..] => *second,
+        [first] => *first,
+        [] => 1,
+    }
+    .min(chain.len());
+    let key = *chain.get(head.checked_sub(1)?)?;
+    Some((head, key))
 }
 
 /// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
@@ -1118,6 +1194,122 @@ mod tests {
 
     fn idle(n: usize) -> Vec<EndpointLoad> {
         vec![EndpointLoad::measured(0.0, 0.0); n]
+    }
+
+    /// A chat of `messages`: the system prompt, then user and assistant in turn.
+    fn chat_hashes(messages: &[&str]) -> BlockHashes {
+        let messages: Vec<serde_json::Value> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, content)| {
+                let role = match i {
+                    0 => "system",
+                    i if i % 2 == 1 => "user",
+                    _ => "assistant",
+                };
+                serde_json::json!({"role": role, "content": content})
+            })
+            .collect();
+        let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+        hash_request(
+            &parse_request(body.as_bytes()).unwrap(),
+            HashConfig {
+                block_size: 4,
+                include_partial: true,
+            },
+        )
+    }
+
+    #[test]
+    fn a_group_head_is_its_first_message_or_through_its_second_boundary() {
+        let system = "you are the assistant of tenant seven";
+        let question = chat_hashes(&[system, "what changed in my invoice"]);
+        let (head, key) = group_head(&question).unwrap();
+        assert_eq!(head, question.marks[0][0]);
+        assert_eq!(key, question.chains[0][head - 1]);
+        // Every question of the tenant has the same head.
+        let other = chat_hashes(&[system, "how do I export my data"]);
+        assert_eq!(group_head(&other), Some((head, key)));
+        // A conversation's later turns share their head (through the first user message),
+        // and conversations behind one system prompt do not.
+        let turn = |first: &str, later: &[&str]| {
+            let mut m = vec![system, first];
+            m.extend_from_slice(later);
+            group_head(&chat_hashes(&m)).unwrap()
+        };
+        let second = turn("plan my trip to lisbon", &["sure, when", "in may"]);
+        let third = turn(
+            "plan my trip to lisbon",
+            &["sure, when", "in may", "ok, booked", "and a hotel"],
+        );
+        assert_eq!(second, third);
+        assert!(second.0 > head);
+        assert_ne!(
+            turn("fix my printer please", &["which one", "the red one"]),
+            second
+        );
+        // A single prompt: its first block; nothing without a full block.
+        let prompt = hashes("a single prompt of several words");
+        assert_eq!(group_head(&prompt), Some((1, prompt.chains[0][0])));
+        assert_eq!(group_head(&hashes("")), None);
+    }
+
+    #[test]
+    fn gateways_that_share_nothing_agree_on_a_new_groups_home_only_with_consistent_placement() {
+        let gateways = |placement| {
+            let config = RouterConfig {
+                policy: Policy::Latency,
+                placement,
+                index_capacity_blocks: 64,
+                ..RouterConfig::default()
+            };
+            // One gateway has routed eight tenants while endpoints 2 and 3 were down (its
+            // belief fills 0 and 1), the other nothing.
+            let mut busy = Router::new(config, 4);
+            let mut half_down = idle(4);
+            half_down[2].down = true;
+            half_down[3].down = true;
+            for t in 0..8 {
+                let h = chat_hashes(&[&format!("tenant {t} {}", "policy text ".repeat(20)), "hi"]);
+                let d = busy.pick(&h, &half_down).unwrap();
+                busy.commit(&d, &h);
+            }
+            (busy, Router::new(config, 4))
+        };
+        let new_tenants: Vec<BlockHashes> = (100..120)
+            .map(|t| {
+                chat_hashes(&[
+                    &format!("{t} is a tenant: {}", "rules ".repeat(30)),
+                    "hello",
+                ])
+            })
+            .collect();
+        let (mut busy, mut fresh) = gateways(Placement::Consistent);
+        for h in &new_tenants {
+            let (a, b) = (
+                busy.pick(h, &idle(4)).unwrap(),
+                fresh.pick(h, &idle(4)).unwrap(),
+            );
+            assert_eq!(a.endpoint, b.endpoint);
+            assert_eq!(a.home, Some(a.endpoint));
+            let (head, _) = group_head(h).unwrap();
+            assert!(a.scores[a.endpoint].matched_blocks >= head);
+        }
+        // Local placement: each gateway's own view decides (the busy one avoids the caches it
+        // filled), and they part on many (8 of 20).
+        let (mut busy, mut fresh) = gateways(Placement::Local);
+        let parted = new_tenants
+            .iter()
+            .filter(|h| {
+                let (a, b) = (
+                    busy.pick(h, &idle(4)).unwrap(),
+                    fresh.pick(h, &idle(4)).unwrap(),
+                );
+                assert_eq!((a.home, b.home), (None, None));
+                a.endpoint != b.endpoint
+            })
+            .count();
+        assert!(parted >= 5, "{parted}");
     }
 
     #[test]
@@ -1743,10 +1935,10 @@ mod tests {
         ];
         let eligible = [true; 3];
         // Within the prediction's precision of the best (99 ms), 0 and 1 tie; 0 is home.
-        assert_eq!(latency_tied(&scores, &eligible, 99.0), [0]);
+        assert_eq!(latency_tied(&scores, &eligible, 99.0, None), [0]);
         // Without a home among the ties, the fewest holders and the most free cache decide.
         let away = [seen(12, 100.0, false, true), seen(12, 99.0, false, true)];
-        assert_eq!(latency_tied(&away, &[true, true], 99.0), [0, 1]);
+        assert_eq!(latency_tied(&away, &[true, true], 99.0, None), [0, 1]);
     }
 
     #[test]
@@ -1765,10 +1957,10 @@ mod tests {
         // Every endpoint predicts no wait (many lanes believed): 0 has the most room but
         // three requests in flight, 1 and 2 one each; of those, 2 has more room.
         let scores = [with(3.0, 800), with(1.0, 300), with(1.0, 500)];
-        assert_eq!(latency_tied(&scores, &[true; 3], 100.0), [2]);
+        assert_eq!(latency_tied(&scores, &[true; 3], 100.0, None), [2]);
         // Equal holders: the room decides.
         let scores = [with(1.0, 800), with(1.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [0]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [0]);
         // ... the room left once the groups living there grow: 0's conversations are
         // expected to add 600 blocks, so 1 has more room to come.
         let mut growing = with(1.0, 800);
@@ -1776,13 +1968,13 @@ mod tests {
             p.growing_blocks = 600.0;
         }
         let scores = [growing, with(1.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [1]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [1]);
         // Numbers that are not numbers never empty the ties.
         let mut broken = with(f64::NAN, 800);
         if let Some(p) = broken.prediction.as_mut() {
             p.growing_blocks = f64::NAN;
         }
         let scores = [broken, with(0.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0), [0]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [0]);
     }
 }

@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{latency_report, spec, sweep_conversations, sweep_fleet};
-use prefixroute_core::config::{IndexMode, Policy};
+use common::{latency_report, six_replicas, spec, sweep_conversations, sweep_fleet};
+use prefixroute_core::config::{IndexMode, Placement, Policy};
 use prefixroute_sim::simulation::{GatewaySpread, SimConfig, SimReport, Simulation};
 use prefixroute_sim::trace::{TraceRecord, TraceShape};
 
@@ -156,4 +156,46 @@ fn precise_gateways_taking_turns_see_where_the_others_turns_ended() {
             one.hit_rate
         );
     }
+}
+
+/// The sweep's tenants (24 system prompts of ~750 tokens, caches that hold a third of them)
+/// through three approximate gateways taking turns. Each gateway believes only what it routed,
+/// so with `placement: local` each places every tenant by its own view, the fleet holds up to
+/// three copies of each system prompt and they push each other out. With `consistent` every
+/// gateway computes the same home for a tenant (rendezvous hashing of its system prompt) and
+/// believes it holds the prompt, so the three agree without sharing anything.
+#[test]
+fn approximate_gateways_with_consistent_placement_agree_where_each_tenant_lives() {
+    let trace = spec(TraceShape::Tenants, 24, 600, 40, 400, 11)
+        .generate()
+        .unwrap();
+    let report = |gateways, placement| {
+        let mut config = SimConfig {
+            gateways,
+            ..six_replicas(420, 0.5)
+        };
+        config.router.placement = placement;
+        latency_report(&trace, config)
+    };
+    let one = report(1, Placement::Local);
+    let local = report(3, Placement::Local);
+    let consistent = report(3, Placement::Consistent);
+    assert!(
+        local.hit_rate < one.hit_rate - 0.10,
+        "three local gateways {:.3}, one gateway {:.3}",
+        local.hit_rate,
+        one.hit_rate
+    );
+    assert!(
+        consistent.hit_rate >= one.hit_rate - 0.005,
+        "three consistent gateways {:.3}, one gateway {:.3}",
+        consistent.hit_rate,
+        one.hit_rate
+    );
+    assert!(
+        consistent.ttft_p95_ms <= 1.02 * one.ttft_p95_ms,
+        "three consistent gateways' p95 {:.1} ms, one gateway's {:.1} ms",
+        consistent.ttft_p95_ms,
+        one.ttft_p95_ms
+    );
 }

@@ -2,7 +2,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use prefixroute_core::config::{EndpointConfig, IndexMode, PluginConfig, Policy, Weights};
+use prefixroute_core::config::{
+    EndpointConfig, IndexMode, Placement, PluginConfig, Policy, Weights,
+};
 use prefixroute_core::latency::LatencyConfig;
 
 use crate::envoy::{self, Balancer, EnvoySetup, Pool};
@@ -107,6 +109,10 @@ pub struct PluginArgs {
     /// events through `prefixroute kv-events`; needs --kv-relay).
     #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
+    /// `local`, or `consistent` when several gateways route to this pool with `--index
+    /// approximate`: every group also gets a home all of them compute alike.
+    #[arg(long, default_value = "local", value_parser = str::parse::<Placement>)]
+    placement: Placement,
     /// Where `prefixroute kv-events` serves its feed (`--listen` there), for --index precise.
     #[arg(long, value_name = "IP:PORT")]
     kv_relay: Option<SocketAddr>,
@@ -160,6 +166,7 @@ impl PluginArgs {
             discovery,
             failover: self.failover,
             index: self.index,
+            consistent_placement: self.placement == Placement::Consistent,
             policy,
             weights: self.weights,
             block_size: self.block_size,

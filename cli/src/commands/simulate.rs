@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use prefixroute_core::config::{IndexMode, Policy, Weights};
+use prefixroute_core::config::{IndexMode, Placement, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
 use prefixroute_sim::disagg::{self, fmt_bytes};
 use prefixroute_sim::fleet::FleetEvent;
@@ -64,6 +64,10 @@ pub struct Args {
     /// events, applied as they happen).
     #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
     index: IndexMode,
+    /// Where the `latency` policy places groups: `local` (each gateway's own view) or
+    /// `consistent` (also a home every gateway computes alike; for several gateways).
+    #[arg(long, default_value = "local", value_parser = str::parse::<Placement>)]
+    placement: Placement,
     /// Gateways in front of the fleet, each with its own belief and ledger (separate Envoys
     /// share nothing); requests reach them as `--gateway-spread` says. With `--index precise`
     /// every gateway reads the replicas' events.
@@ -206,6 +210,7 @@ pub fn run(args: Args) -> Result<()> {
     base.router.hash.block_size = args.block_size;
     base.router.index_capacity_blocks = args.index_capacity_blocks;
     base.router.seed = args.seed;
+    base.router.placement = args.placement;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
     if let Some((pd, _, model)) = &split {
         if !args.fleet_events.is_empty() {

@@ -462,6 +462,22 @@ fn latency_policy_matches_core() {
     }
 }
 
+/// `consistent_placement`: every group's home comes from its head and the eligible endpoints,
+/// which the plugin computes from its shared index and scrapes as core does from its own.
+#[test]
+fn latency_policy_with_consistent_placement_matches_core() {
+    for (shape, seed) in [(TraceShape::Tenants, 31), (TraceShape::Conversations, 32)] {
+        run(
+            json!({"policy": "latency", "seed": seed, "consistent_placement": true}),
+            TraceSpec {
+                shape,
+                tenants: 6,
+                ..tenants(seed)
+            },
+        );
+    }
+}
+
 #[test]
 fn latency_policy_with_its_own_priors_matches_core() {
     run(
