@@ -14,8 +14,8 @@ The hit rate comes from the replicas' own counters (`prefixroute replay --metric
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
 usage: bench/gateways.py [--shape tenants|conversations|mixed] [--spread in-turn|by-group] [--requests N]
-                        [--policy P] [--kv-interval-ms MS] [--kv-wait-ms MS]
-                        [--only precise|approximate] [--out FILE.json]
+                        [--policy P] [--placement local|consistent] [--kv-interval-ms MS]
+                        [--kv-wait-ms MS] [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
 """
 
@@ -149,7 +149,8 @@ def run(work, gateways, index, trace):
         port, admin = free_port(), free_port()
         argv = [CLI, "serve", "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
                 "--plugin-wasm", WASM, "--envoy", ENVOY, "--policy", POLICY,
-                "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN]
+                "--index", index, "--prior-ms-per-token", PREFILL_MS_PER_TOKEN,
+                "--placement", PLACEMENT]
         if index == "precise":
             argv += ["--kv-relay", f"127.0.0.1:{relay}", "--kv-interval-ms", KV_INTERVAL_MS,
                      "--kv-wait-ms", KV_WAIT_MS]
@@ -179,6 +180,7 @@ def run(work, gateways, index, trace):
     return {
         "gateways": gateways,
         "index": index,
+        "placement": PLACEMENT,
         "requests": report["requests"],
         "errors": report["errors"],
         "hit_rate": report["server_counters"]["hit_rate"],
@@ -205,6 +207,8 @@ def main():
                          "poll); 0 polls every --kv-interval-ms")
     ap.add_argument("--only", choices=["approximate", "precise"])
     ap.add_argument("--policy", default="latency")
+    ap.add_argument("--placement", choices=["local", "consistent"], default="local",
+                    help="consistent: every group also gets a home all gateways compute alike")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tenants",
                     help="the trace and its fleet (default: tenants)")
     ap.add_argument("--spread", choices=["in-turn", "by-group"], default="in-turn",
@@ -212,10 +216,11 @@ def main():
                          "(session affinity)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS, KV_WAIT_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD
+    global KV_INTERVAL_MS, KV_WAIT_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD, PLACEMENT
     KV_INTERVAL_MS = args.kv_interval_ms
     KV_WAIT_MS = args.kv_wait_ms
     POLICY = args.policy
+    PLACEMENT = args.placement
     SPREAD = args.spread
     shape = SHAPES[args.shape]
     REPLICAS, KV_BLOCKS, TRACE = shape["replicas"], shape["kv_blocks"], shape["trace"]
@@ -236,6 +241,7 @@ def main():
         stop_all()
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
+          f"placement {PLACEMENT}, "
           f"feed fetched every {KV_INTERVAL_MS} ms, held up to {KV_WAIT_MS} ms, "
           f"requests to the gateways {SPREAD}\n")
     print(f"{'index':<12} {'gateways':>8} {'errors':>6} {'hit rate':>9} {'p50':>9} {'p95':>9}"
