@@ -144,6 +144,9 @@ impl Decision {
         if self.tie {
             line.push_str(" (tie)");
         }
+        if let Some(home) = self.home {
+            line.push_str(&format!(" (home {})", name(home)));
+        }
         if self.all_down {
             line.push_str(" (all endpoints down)");
         }
@@ -841,6 +844,11 @@ impl<S: PrefixStore> Router<S> {
 
     /// The chosen endpoint's prediction, also under policies that do not predict (a proxy
     /// accounts every request's prefill work the same way). Call before `commit`.
+    ///
+    /// What the router believes, not what it chose by: at a consistent home
+    /// (`Decision::home`) the choice believed the group's head held there, which a group's
+    /// first request there does not find; its pending work and the rate its first byte
+    /// teaches count the tokens the router's own belief leaves uncached.
     pub fn prediction_for(
         &self,
         decision: &Decision,
@@ -848,7 +856,9 @@ impl<S: PrefixStore> Router<S> {
         load: &EndpointLoad,
     ) -> Prediction {
         if let Some(p) = decision.prediction() {
-            return *p;
+            if decision.home != Some(decision.endpoint) {
+                return *p;
+            }
         }
         let e = decision.endpoint;
         predict(
@@ -1292,6 +1302,17 @@ mod tests {
             );
             assert_eq!(a.endpoint, b.endpoint);
             assert_eq!(a.home, Some(a.endpoint));
+            assert!(a.explain(&[]).ends_with(&format!("(home #{})", a.endpoint)));
+            // The choice believed the head at the home; what the request is accounted with
+            // (pending work, the rate its first byte teaches) is what the router believes.
+            let chose_by = b.prediction().unwrap();
+            let accounted = fresh.prediction_for(&b, h, &idle(4)[b.endpoint]);
+            assert!(chose_by.cached_tokens > 0, "{chose_by:?}");
+            assert_eq!(accounted.cached_tokens, 0);
+            assert_eq!(
+                accounted.uncached_tokens,
+                chose_by.uncached_tokens + chose_by.cached_tokens
+            );
             let (head, _) = group_head(h).unwrap();
             assert!(a.scores[a.endpoint].matched_blocks >= head);
         }

@@ -246,10 +246,11 @@ pub struct Update {
 /// Endpoint names go into stat names: keep `[A-Za-z0-9_-]`, map the rest (dots included,
 /// which Envoy treats as hierarchy) to `_`.
 pub fn stat_token(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
+    // By byte: every byte of a non-ASCII character becomes `_` (no UTF-8 decoding to carry).
+    name.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
+                char::from(b)
             } else {
                 '_'
             }
@@ -437,6 +438,7 @@ mod tests {
     fn names() {
         let names = vec![stat_token("replica.1"), stat_token("b")];
         assert_eq!(names[0], "replica_1");
+        assert_eq!(stat_token("réplica-2"), "r__plica-2", "each byte of é");
         let u = named(
             &Event::Routed {
                 policy: Policy::PrefixOnly,
