@@ -497,9 +497,11 @@ impl FromStr for IndexMode {
 /// of the tenants the copies push each other out (the simulator's 24-tenant trace: 81% of the
 /// upper bound's hit rate with three gateways, 94% with two). `consistent` gives every group a
 /// *home*: rendezvous hashing of the group's head ([`crate::router::group_head`]) over the
-/// eligible endpoints, the same on every gateway. The router believes the home holds the head
-/// (as if it had routed it there) and, among near-ties, places the group there; load and cache
-/// pressure still move a request away when the prediction says that is faster. What it costs:
+/// eligible endpoints, the same on every gateway. The router chooses as if the home held the
+/// head (as if it had routed it there) and, among near-ties, places the group there; load and
+/// cache pressure still move a request away when the prediction says that is faster. The
+/// request is accounted with what the router really believes ([`crate::Router::prediction_for`]).
+/// What it costs:
 /// homes are spread by hashing, not by load (24 tenants over 6 replicas: max/mean 1.6), so one
 /// gateway alone should keep `local`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
