@@ -1052,29 +1052,35 @@ pub fn rendezvous(tied: &[usize], key: u64) -> usize {
 }
 
 /// A request's group head, for `placement: consistent`: how many leading blocks of its
-/// (first) chain every request of its group is expected to share, and the hash of the last of
-/// them (the key its home is hashed by, see [`rendezvous`]). From the message boundaries the
-/// chain records ([`BlockHashes::marks`]):
+/// (first) chain its home is believed to hold, and the hash its home is found by (see
+/// [`rendezvous`]): the last block of the part every request of its group shares. From the
+/// message boundaries the chain records ([`BlockHashes::marks`]):
 ///
-/// * two or more: the request carries an earlier exchange (a conversation's later turn, a
-///   few-shot prompt): through its second boundary, which every later turn repeats (the
-///   system prompt and the first user message), so each conversation has its own home;
-/// * one: through the first message (a tenant's system prompt, a document in its own
-///   message), which the group's questions share;
+/// * three or more: a conversation's later turn. Its home is keyed by its first exchange
+///   (through the second boundary: the system prompt and the first user message), which
+///   every turn repeats, so each conversation has its own home; and believed to hold the
+///   conversation up to this turn's last exchange (through the second-to-last boundary: the
+///   previous turn's prompt), which every gateway sent there. Believing only the first
+///   exchange left a gateway that did not route the last turn predicting the history cold at
+///   the home (three gateways on conversations: 86.1% of the bound's hit rate, 96.5% with the
+///   previous prompt; docs/benchmarks.md);
+/// * one or two: through the second boundary if there is one (a few-shot prompt), else the
+///   first (a tenant's system prompt, a document in its own message), which the group's
+///   questions share;
 /// * none: the first block (a single-message prompt; its head is not known from one request).
 ///
 /// `None` for a request without a full block.
 pub fn group_head(hashes: &BlockHashes) -> Option<(usize, u64)> {
     let chain = hashes.chains.first()?;
     let marks = hashes.marks.first().map_or(&[][..], Vec::as_slice);
-    let head = match marks {
-        [_, second, ..] => *second,
-        [first] => *first,
-        [] => 1,
-    }
-    .min(chain.len());
-    let key = *chain.get(head.checked_sub(1)?)?;
-    Some((head, key))
+    let (keyed, held) = match marks {
+        [_, second, .., before_last, _] => (*second, (*second).max(*before_last)),
+        [_, second, ..] => (*second, *second),
+        [first] => (*first, *first),
+        [] => (1, 1),
+    };
+    let key = *chain.get(keyed.min(chain.len()).checked_sub(1)?)?;
+    Some((held.min(chain.len()), key))
 }
 
 /// A uniform index below `n`, drawn through u64 so that 32-bit targets (the browser, the
@@ -1231,7 +1237,7 @@ mod tests {
     }
 
     #[test]
-    fn a_group_head_is_its_first_message_or_through_its_second_boundary() {
+    fn a_group_home_is_keyed_by_its_first_message_or_its_first_exchange() {
         let system = "you are the assistant of tenant seven";
         let question = chat_hashes(&[system, "what changed in my invoice"]);
         let (head, key) = group_head(&question).unwrap();
@@ -1240,8 +1246,8 @@ mod tests {
         // Every question of the tenant has the same head.
         let other = chat_hashes(&[system, "how do I export my data"]);
         assert_eq!(group_head(&other), Some((head, key)));
-        // A conversation's later turns share their head (through the first user message),
-        // and conversations behind one system prompt do not.
+        // A conversation's later turns share their home's key (through the first user
+        // message), and conversations behind one system prompt do not.
         let turn = |first: &str, later: &[&str]| {
             let mut m = vec![system, first];
             m.extend_from_slice(later);
@@ -1252,8 +1258,20 @@ mod tests {
             "plan my trip to lisbon",
             &["sure, when", "in may", "ok, booked", "and a hotel"],
         );
-        assert_eq!(second, third);
+        // Same home; the later turn's home is believed to hold its previous prompt.
+        assert_eq!(second.1, third.1);
         assert!(second.0 > head);
+        let third_hashes = chat_hashes(&[
+            system,
+            "plan my trip to lisbon",
+            "sure, when",
+            "in may",
+            "ok, booked",
+            "and a hotel",
+        ]);
+        let marks = &third_hashes.marks[0];
+        assert_eq!(third.0, marks[marks.len() - 2]);
+        assert!(third.0 > second.0);
         assert_ne!(
             turn("fix my printer please", &["which one", "the red one"]),
             second
