@@ -158,6 +158,24 @@ fn precise_gateways_taking_turns_see_where_the_others_turns_ended() {
     }
 }
 
+/// `trace` on `fleet` through one gateway, three with `placement: local` and three with
+/// `consistent`, requests to the gateways in turn.
+fn one_and_three_gateways(
+    trace: &[TraceRecord],
+    fleet: SimConfig,
+) -> (SimReport, SimReport, SimReport) {
+    let report = |gateways, placement| {
+        let mut config = SimConfig { gateways, ..fleet };
+        config.router.placement = placement;
+        latency_report(trace, config)
+    };
+    (
+        report(1, Placement::Local),
+        report(3, Placement::Local),
+        report(3, Placement::Consistent),
+    )
+}
+
 /// The sweep's tenants (24 system prompts of ~750 tokens, caches that hold a third of them)
 /// through three approximate gateways taking turns. Each gateway believes only what it routed,
 /// so with `placement: local` each places every tenant by its own view, the fleet holds up to
@@ -169,17 +187,7 @@ fn approximate_gateways_with_consistent_placement_agree_where_each_tenant_lives(
     let trace = spec(TraceShape::Tenants, 24, 600, 40, 400, 11)
         .generate()
         .unwrap();
-    let report = |gateways, placement| {
-        let mut config = SimConfig {
-            gateways,
-            ..six_replicas(420, 0.5)
-        };
-        config.router.placement = placement;
-        latency_report(&trace, config)
-    };
-    let one = report(1, Placement::Local);
-    let local = report(3, Placement::Local);
-    let consistent = report(3, Placement::Consistent);
+    let (one, local, consistent) = one_and_three_gateways(&trace, six_replicas(420, 0.5));
     assert!(
         local.hit_rate < one.hit_rate - 0.10,
         "three local gateways {:.3}, one gateway {:.3}",
@@ -206,18 +214,7 @@ fn approximate_gateways_with_consistent_placement_agree_where_each_tenant_lives(
 /// holds the conversation up to the turn before, which the other gateways sent there.
 #[test]
 fn approximate_gateways_with_consistent_placement_keep_conversations_at_their_home() {
-    let trace = sweep_conversations();
-    let report = |gateways, placement| {
-        let mut config = SimConfig {
-            gateways,
-            ..sweep_fleet(0.5)
-        };
-        config.router.placement = placement;
-        latency_report(&trace, config)
-    };
-    let one = report(1, Placement::Local);
-    let local = report(3, Placement::Local);
-    let consistent = report(3, Placement::Consistent);
+    let (one, local, consistent) = one_and_three_gateways(&sweep_conversations(), sweep_fleet(0.5));
     // Measured: one gateway 89.9% and 73.5 ms; three local 76.7% and 359 ms; three
     // consistent 87.2% and 180.5 ms. Still short of one gateway: precise or affinity close it.
     assert!(
