@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """Several gateways at once: does each Envoy's prefix belief still hold when a client spreads
-its requests over two of them?
+its requests over two (or --gateways N) of them?
 
 Four runs of the same trace, each on fresh fake vLLM replicas that publish KV events, with a
 fresh `prefixroute kv-events` relay:
 
   1 gateway,  index approximate    the plugin's own belief, one Envoy
-  2 gateways, index approximate    two Envoys (each its own shared data), requests alternating
+  N gateways, index approximate    N Envoys (each its own shared data), requests in turn
   1 gateway,  index precise        the servers' KV events through the relay
-  2 gateways, index precise        both Envoys read the same relay
+  N gateways, index precise        every Envoy reads the same relay
 
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
 usage: bench/gateways.py [--shape tenants|conversations|mixed] [--spread in-turn|by-group] [--requests N]
+                        [--gateways N]
                         [--policy P] [--placement local|consistent] [--kv-interval-ms MS]
                         [--kv-wait-ms MS] [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
@@ -200,6 +201,8 @@ def run(work, gateways, index, trace):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--gateways", type=int, default=2, choices=range(2, 9), metavar="N",
+                    help="gateways in the run compared with one (2..8, default 2)")
     ap.add_argument("--kv-interval-ms", default="200",
                     help="how often each gateway's plugin fetches the relay's feed")
     ap.add_argument("--kv-wait-ms", default="1000",
@@ -234,7 +237,7 @@ def main():
     rows = []
     try:
         for index in [args.only] if args.only else ("approximate", "precise"):
-            for gateways in (1, 2):
+            for gateways in (1, args.gateways):
                 rows.append(run(work, gateways, index, trace))
                 print(f"  {gateways} gateway(s), {index}: {rows[-1]}", file=sys.stderr)
     finally:
@@ -253,8 +256,8 @@ def main():
               f"  {r['groups_on_one']:>13}  {balance:>8}  {r['ends_marked']:>11}")
     by = {(r["index"], r["gateways"]): r["hit_rate"] for r in rows}
     for index in [args.only] if args.only else ("approximate", "precise"):
-        drop = 100 * (by[(index, 1)] - by[(index, 2)])
-        print(f"{index}: two gateways lose {drop:.1f} points of hit rate against one")
+        drop = 100 * (by[(index, 1)] - by[(index, args.gateways)])
+        print(f"{index}: {args.gateways} gateways lose {drop:.1f} points of hit rate against one")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 
