@@ -63,12 +63,12 @@ def trace(binary, scenario, seed, out):
     subprocess.run(args, check=True, capture_output=True)
 
 
-def simulate(binary, path, scenario, cost, extra=()):
+def simulate(binary, path, scenario, cost, extra=(), decode_ms=0.0):
     sc = SWEEP_SCENARIOS[scenario]
     out = subprocess.run(
         [binary, "simulate", path, "--policy", "latency", "--replicas", str(sc["replicas"]),
          "--cache-blocks", str(sc["kv_blocks"]), "--slots", str(sc["lanes"]),
-         "--block-size", "16", "--decode-ms-per-token", "0",
+         "--block-size", "16", "--decode-ms-per-token", str(decode_ms),
          "--prefill-ms-per-token", str(cost), "--json", *extra],
         check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
@@ -89,6 +89,9 @@ def main():
     p.add_argument("--simulate-args", default="", metavar="ARGS",
                    help="more `simulate` flags for every run, e.g. "
                         "'--gateways 2 --index precise --kv-interval-ms 200'")
+    p.add_argument("--decode-ms", type=float, default=0.0,
+                   help="decode ms per output token on the simulated replicas (the sweep's is 0): "
+                        "a request holds its lane this long per output token after its first byte")
     args = p.parse_args()
     extra = shlex.split(args.simulate_args)
     costs = [float(c) for c in args.costs.split(",")]
@@ -107,7 +110,7 @@ def main():
             for cost in costs:
                 cells = []
                 for name, binary in binaries:
-                    rows = [simulate(binary, path, scenario, cost, extra) for path in paths]
+                    rows = [simulate(binary, path, scenario, cost, extra, args.decode_ms) for path in paths]
                     hit, p95, spread = zip(*rows)
                     cells.append(
                         f"{name}: {statistics.mean(hit) * 100:5.1f}% ({min(hit) * 100:5.1f}) "
