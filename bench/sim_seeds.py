@@ -4,7 +4,8 @@
 One sweep trace is one seed: a change that moves its TTFT p95 by three requests out of 400 can
 look like a win or a loss by luck. This generates each scenario with several seeds (the sweep's
 own trace parameters, `bench/bench.py`'s SWEEP_SCENARIOS, only the seed changes), simulates each
-`prefixroute` binary given on the same traces, and prints per scenario and prefill cost the mean
+`prefixroute` binary given on the same traces (its `latency` policy, or each of `--policies`),
+and prints per scenario and prefill cost the mean
 (and worst) share of the upper bound's hit rate, TTFT p95 over the bound's, and busiest replica
 over the mean. Deterministic: the same binaries and seeds print the same numbers.
 
@@ -12,6 +13,8 @@ over the mean. Deterministic: the same binaries and seeds print the same numbers
     python3 bench/sim_seeds.py --prefixroute now=target/release/prefixroute --scenarios mixed,long --seeds 21-28
     python3 bench/sim_seeds.py --prefixroute now=... --costs 0.5 \
         --simulate-args '--gateways 2 --index precise --kv-interval-ms 200'
+    python3 bench/sim_seeds.py --prefixroute now=... --decode-ms 10 \
+        --policies latency,prefix,least-queue,round-robin
 
 Standard library only; runs the binaries, never a network.
 """
@@ -29,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import SWEEP_SCENARIOS  # noqa: E402
 
 COSTS = (0.1, 0.5, 1.0)
+# `prefixroute simulate --policy`'s names.
+POLICIES = ("latency", "prefix", "prefix-only", "least-queue", "round-robin", "random")
 
 
 def seeds_of(text):
@@ -63,20 +68,28 @@ def trace(binary, scenario, seed, out):
     subprocess.run(args, check=True, capture_output=True)
 
 
-def simulate(binary, path, scenario, cost, extra=(), decode_ms=0.0):
+def simulate(binary, path, scenario, cost, policies, extra=(), decode_ms=0.0):
+    """One trace through `simulate`: per policy (in `policies`' order), the share of the upper
+    bound's hit rate, TTFT p95 over the bound's, and busiest replica over the mean."""
     sc = SWEEP_SCENARIOS[scenario]
     out = subprocess.run(
-        [binary, "simulate", path, "--policy", "latency", "--replicas", str(sc["replicas"]),
+        [binary, "simulate", path, "--policy", ",".join(policies),
+         "--replicas", str(sc["replicas"]),
          "--cache-blocks", str(sc["kv_blocks"]), "--slots", str(sc["lanes"]),
          "--block-size", "16", "--decode-ms-per-token", str(decode_ms),
          "--prefill-ms-per-token", str(cost), "--json", *extra],
         check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
-    bound, ours = report["upper_bound"], report["policies"][0]
-    per = ours["requests_per_replica"]
-    return (ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0,
-            ours["ttft_p95_ms"] / bound["ttft_p95_ms"],
-            max(per) / (sum(per) / len(per)))
+    bound = report["upper_bound"]
+    by_policy = {p["policy"]: p for p in report["policies"]}
+    rows = []
+    for policy in policies:
+        ours = by_policy[policy]
+        per = ours["requests_per_replica"]
+        rows.append((ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0,
+                     ours["ttft_p95_ms"] / bound["ttft_p95_ms"],
+                     max(per) / (sum(per) / len(per))))
+    return rows
 
 
 def main():
@@ -92,7 +105,11 @@ def main():
     p.add_argument("--decode-ms", type=float, default=0.0,
                    help="decode ms per output token on the simulated replicas (the sweep's is 0): "
                         "a request holds its lane this long per output token after its first byte")
+    p.add_argument("--policies", default="latency",
+                   help="simulator policies to compare, a comma list (e.g. "
+                        "latency,prefix,least-queue,round-robin)")
     args = p.parse_args()
+    policies = choices_of(args.policies, POLICIES, "policy")
     extra = shlex.split(args.simulate_args)
     costs = [float(c) for c in args.costs.split(",")]
     binaries = binaries_of(args.prefixroute)
@@ -110,12 +127,15 @@ def main():
             for cost in costs:
                 cells = []
                 for name, binary in binaries:
-                    rows = [simulate(binary, path, scenario, cost, extra, args.decode_ms) for path in paths]
-                    hit, p95, spread = zip(*rows)
-                    cells.append(
-                        f"{name}: {statistics.mean(hit) * 100:5.1f}% ({min(hit) * 100:5.1f}) "
-                        f"p95 {statistics.mean(p95):4.2f}x ({max(p95):4.2f}) "
-                        f"max/mean {statistics.mean(spread):4.2f} ({max(spread):4.2f})")
+                    runs = [simulate(binary, path, scenario, cost, policies, extra,
+                                     args.decode_ms) for path in paths]
+                    for i, policy in enumerate(policies):
+                        hit, p95, spread = zip(*(run[i] for run in runs))
+                        label = name if len(policies) == 1 else f"{name} {policy}"
+                        cells.append(
+                            f"{label}: {statistics.mean(hit) * 100:5.1f}% ({min(hit) * 100:5.1f}) "
+                            f"p95 {statistics.mean(p95):4.2f}x ({max(p95):4.2f}) "
+                            f"max/mean {statistics.mean(spread):4.2f} ({max(spread):4.2f})")
                 print(f"{scenario:13s} @{cost}: " + " | ".join(cells), flush=True)
 
 
