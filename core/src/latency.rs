@@ -1551,9 +1551,13 @@ pub fn scraped_lanes(learned: u32, server: Option<ServerQueue>) -> u32 {
 /// adds two prices to the TTFT:
 ///
 /// * **delay to others**: where requests queue, this one's prefill also delays those that
-///   will arrive after it; in a steady queue about as many as wait ahead of it now. It is what
+///   will arrive after it, and so does its share of the lanes while it decodes (its hold time
+///   over the lanes); in a steady queue about as many as wait ahead of it now. It is what
 ///   makes a hot prefix spill to a second replica before its queue runs away, although each
-///   request alone would rather wait than miss.
+///   request alone would rather wait than miss. Without the hold, a replica whose lanes are
+///   taken by long answers looked as cheap to queue on as one whose lanes free up at once
+///   (hot tenant with 160 ms of decode per request at 0.1 ms/token: TTFT p95 3.46× the upper
+///   bound's, round robin's 2.96×; with it 2.63×, docs/benchmarks.md).
 /// * **room**: the blocks the request brings (those the endpoint does not hold, plus, if its
 ///   group starts or moves here, the blocks the group is expected to add later) take room in
 ///   the endpoint's cache. Each will displace a block some later request needs with about the
@@ -1594,7 +1598,9 @@ pub fn predict(
     let queue_ms = queue_tokens * ms_per_token + wait.hold_ms;
     let prefill_ms = uncached as f64 * ms_per_token;
     let ttft_ms = config.overhead_ms + queue_ms + prefill_ms;
-    let delay_to_others_ms = prefill_ms * queue_requests;
+    // Each request that queues behind this one waits for its prefill (one compute-bound batch)
+    // and for its lane's share of its hold.
+    let delay_to_others_ms = (prefill_ms + hold_ms / f64::from(lanes)) * queue_requests;
 
     let total_blocks = hashes.total_blocks();
     let matched_blocks: usize = matched.iter().sum();
@@ -1778,6 +1784,40 @@ mod tests {
         let mut rate = PrefillRate::default();
         rate.observe(obs, &config()).unwrap();
         assert!((rate.busy_ms / rate.work_tokens - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn where_requests_queue_a_request_delays_those_behind_it_by_its_prefill_and_its_share_of_a_lane(
+    ) {
+        let h = hashes(100, 16);
+        let queued = |hold_ms: f64| LatencyInputs {
+            work: EndpointWork {
+                in_flight: 4,
+                prefilling: 2,
+                prefill_tokens: 400,
+            },
+            lanes: Some(2),
+            hold_ms: Some(hold_ms),
+            ..LatencyInputs::default()
+        };
+        let quick = at(&h, 0, CacheRoom::default(), &queued(0.0), &config());
+        let long = at(&h, 0, CacheRoom::default(), &queued(160.0), &config());
+        // Three of four holders must finish first on two lanes: three wait behind it too.
+        assert_eq!(quick.queue_requests, 3.0);
+        assert_eq!(quick.delay_to_others_ms, 100.0 * 3.0);
+        // A request that will hold its lane 160 ms after its first byte takes half of that
+        // from each of them (one of two lanes).
+        assert_eq!(long.delay_to_others_ms, (100.0 + 160.0 / 2.0) * 3.0);
+        assert!(long.cost_ms > quick.cost_ms);
+        // With a lane free nobody waits behind it, however long it holds its own.
+        let free = LatencyInputs {
+            work: EndpointWork::default(),
+            ..queued(160.0)
+        };
+        assert_eq!(
+            at(&h, 0, CacheRoom::default(), &free, &config()).delay_to_others_ms,
+            0.0
+        );
     }
 
     #[test]
