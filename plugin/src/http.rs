@@ -41,6 +41,8 @@ pub struct Filter {
     choice: Option<Choice>,
     /// The in-flight count of `choice` was released (stream ended).
     released: bool,
+    /// The response's status was 2xx (read with its headers, used at its first byte).
+    answered_ok: bool,
 }
 
 impl Filter {
@@ -51,6 +53,7 @@ impl Filter {
             phase: Phase::Idle,
             choice: None,
             released: false,
+            answered_ok: false,
         }
     }
 
@@ -143,19 +146,21 @@ impl Filter {
         }
     }
 
-    /// The response headers arrived: the request's first byte.
+    /// The response body's first byte arrived (or the response ended without one): the
+    /// request's first token. Not its headers: a streaming server sends them as soon as it
+    /// accepts the request (vLLM's OpenAI server does, and so does `prefixroute
+    /// fake-server`), before the prefill, so timing them taught a prefill of nothing and the
+    /// router stopped pricing misses (docs/benchmarks.md: streamed answers with decode time).
     fn first_byte(&mut self) {
         let (Some(choice), Some(scheduler)) = (self.choice.as_mut(), self.scheduler.as_ref())
         else {
             return;
         };
-        let status = abi::get_header_string(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| s.trim().parse::<u32>().ok());
-        let success = status.is_some_and(|s| (200..300).contains(&s));
+        if choice.ticket.first_byte_ms.is_some() {
+            return; // A later chunk of the stream.
+        }
         if let Ok(mut e) = scheduler.try_borrow_mut() {
-            e.first_byte(&mut choice.ticket, success, abi::now_ms());
+            e.first_byte(&mut choice.ticket, self.answered_ok, abi::now_ms());
             flush(&mut e, &self.metrics);
         }
     }
@@ -222,8 +227,15 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.first_byte();
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let status = abi::get_header_string(MapType::HttpResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| s.trim().parse::<u32>().ok());
+        self.answered_ok = status.is_some_and(|s| (200..300).contains(&s));
+        if end_of_stream {
+            self.first_byte();
+        }
         let (Some(choice), Some(scheduler)) = (self.choice.as_ref(), self.scheduler.as_ref())
         else {
             return Action::Continue;
@@ -266,6 +278,13 @@ impl HttpContext for Filter {
                 put("x-prefixroute-policy", "fallback");
                 put("x-prefixroute-fallback", reason.name());
             }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if body_size > 0 || end_of_stream {
+            self.first_byte();
         }
         Action::Continue
     }

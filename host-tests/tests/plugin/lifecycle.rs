@@ -157,6 +157,36 @@ fn the_response_names_the_endpoint_policy_and_match() {
 }
 
 #[test]
+fn a_streamed_answer_is_timed_from_its_first_body_byte_not_its_headers() {
+    // A streaming server (vLLM's OpenAI server, the fake server) sends its headers as soon as
+    // it accepts the request, its first token after the prefill, and the rest while decoding.
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(2, json!({"policy": "latency"})));
+    let t0 = host.clock().now_ms();
+    let x = vm
+        .send(&Request::chat(chat_body(&common::tenant_prompt(2), "q")))
+        .unwrap();
+    host.clock().set_ms(t0 + 1);
+    let mut ok = Headers::new();
+    ok.add(":status", b"200");
+    ok.add("content-type", b"text/event-stream");
+    vm.response_headers(x.id, ok, false).unwrap();
+    host.clock().set_ms(t0 + 400);
+    vm.response_body(x.id, b"data: {\"choices\":[]}\n\n", false)
+        .unwrap();
+    host.clock().set_ms(t0 + 900);
+    vm.response_body(x.id, b"data: {\"choices\":[]}\n\n", false)
+        .unwrap();
+    host.clock().set_ms(t0 + 1400);
+    vm.response_body(x.id, b"data: [DONE]\n\n", true).unwrap();
+    vm.finish(x.id).unwrap();
+    vm.tick().unwrap();
+    assert_eq!(host.stats().value("prefixroute.latency.observations"), 1);
+    // Held 1,000 ms after its first token (1,399 ms after its headers).
+    assert_eq!(host.stats().value("prefixroute.latency.hold_us"), 1_000_000);
+}
+
+#[test]
 fn a_system_prompt_met_again_is_hashed_from_memory_and_matches_as_core_says() {
     use prefixroute_core::hashing::{hash_request, HashConfig};
     let host = common::host();
