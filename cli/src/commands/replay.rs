@@ -41,6 +41,9 @@ JSON output (--json) is one object; its field names are stable:
   max_send_lag_ms          worst delay of a send behind its timestamp (near 0 unless
                            --concurrency-limit or an overloaded client holds requests back)
   latency_ms               {p50, p95, max}: send to last byte, successful requests only
+  ttft_ms                  {p50, p95, max}: send to the body's first byte, successful requests
+                           only: a streamed answer's time to first token (bodies with
+                           \"stream\": true, see `trace --stream`); about latency_ms otherwise
   endpoints                {endpoint: successful requests}; the endpoint is the response's
                            x-prefixroute-endpoint header, else x-served-by, else \"unknown\"
   groups_on_one_endpoint   {single, groups}: trace groups whose requests all went to one
@@ -59,6 +62,7 @@ Ratios are in 0..1 and null when nothing was counted; latencies are null when no
 --requests-out FILE writes one JSON object per request, in trace order:
   index, group, at_ms      its place in the trace and its timestamp
   send_lag_ms, latency_ms  as above (latency also for failed requests: until the failure)
+  ttft_ms                  as above; null for a failed request or an empty body
   endpoint                 as above; null for a failed request
   prompt_tokens, cached_tokens  the response's usage; null without one
   router                   {name: value} of the router's x-prefixroute-* headers but the
@@ -293,6 +297,7 @@ fn request_line(index: usize, at: Duration, outcome: &Outcome) -> serde_json::Va
         "at_ms": ms(at),
         "send_lag_ms": ms(outcome.send_lag),
         "latency_ms": ms(outcome.latency),
+        "ttft_ms": answer.and_then(|a| a.first_byte).map(ms),
         "endpoint": answer.and_then(|a| a.endpoint.clone()),
         "prompt_tokens": usage.map(|u| u.prompt_tokens),
         "cached_tokens": usage.map(|u| u.cached_tokens),
@@ -390,6 +395,7 @@ mod tests {
                     cached_tokens: 480,
                 }),
                 router: vec![("ttft-ms".into(), "37".into())],
+                first_byte: Some(Duration::from_millis(35)),
             }),
         };
         let line = request_line(7, Duration::from_millis(250), &ok);
@@ -397,7 +403,7 @@ mod tests {
             line,
             serde_json::json!({
                 "index": 7, "group": "tenant-3", "at_ms": 250.0, "send_lag_ms": 1.5,
-                "latency_ms": 40.0, "endpoint": "r2", "prompt_tokens": 500,
+                "latency_ms": 40.0, "ttft_ms": 35.0, "endpoint": "r2", "prompt_tokens": 500,
                 "cached_tokens": 480, "router": {"ttft-ms": "37"}, "error": null,
             })
         );
@@ -409,6 +415,7 @@ mod tests {
         };
         let line = request_line(0, Duration::ZERO, &failed);
         assert_eq!(line["endpoint"], serde_json::Value::Null);
+        assert_eq!(line["ttft_ms"], serde_json::Value::Null);
         assert_eq!(line["router"], serde_json::json!({}));
         assert_eq!(line["error"], "HTTP 503 Service Unavailable");
     }

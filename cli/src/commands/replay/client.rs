@@ -7,6 +7,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
@@ -137,6 +139,9 @@ pub struct Exchange {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// When the first byte of the body arrived (a streamed answer's first token); `None` for
+    /// an empty body.
+    pub first_byte: Option<Instant>,
 }
 
 #[derive(Clone)]
@@ -192,15 +197,27 @@ impl HttpClient {
             }
         })?;
         let (parts, body) = response.into_parts();
-        let body = Limited::new(body, MAX_RESPONSE_BYTES)
-            .collect()
-            .await
-            .map_err(|err| Failure::Transport(format!("reading the response: {}", chain(&*err))))?
-            .to_bytes();
+        let mut body = Limited::new(body, MAX_RESPONSE_BYTES);
+        let mut bytes = Vec::new();
+        let mut first_byte = None;
+        // Frame by frame rather than `collect`: the first data frame's time is a streamed
+        // answer's time to first token.
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|err| {
+                Failure::Transport(format!("reading the response: {}", chain(&*err)))
+            })?;
+            if let Ok(data) = frame.into_data() {
+                if !data.is_empty() {
+                    first_byte.get_or_insert_with(Instant::now);
+                    bytes.extend_from_slice(&data);
+                }
+            }
+        }
         Ok(Exchange {
             status: parts.status,
             headers: parts.headers,
-            body,
+            body: Bytes::from(bytes),
+            first_byte,
         })
     }
 }

@@ -133,6 +133,9 @@ pub struct Answer {
     /// The router's explanation, when it gave one: every `x-prefixroute-*` header but the
     /// endpoint, by name without the prefix, in the order received.
     pub router: Vec<(String, String)>,
+    /// From sending to the first byte of the body: a streamed answer's time to first token
+    /// (for an answer sent whole, about its latency). `None` for an empty body.
+    pub first_byte: Option<Duration>,
 }
 
 fn router_headers(headers: &HeaderMap) -> Vec<(String, String)> {
@@ -160,7 +163,7 @@ pub struct Outcome {
     pub result: Result<Answer, Failure>,
 }
 
-fn answer(exchange: Exchange) -> Result<Answer, Failure> {
+fn answer(exchange: Exchange, sent: Instant) -> Result<Answer, Failure> {
     if !exchange.status.is_success() {
         return Err(Failure::Status(exchange.status));
     }
@@ -168,6 +171,9 @@ fn answer(exchange: Exchange) -> Result<Answer, Failure> {
         endpoint: endpoint_of(&exchange.headers),
         usage: usage_of(&exchange.headers, &exchange.body),
         router: router_headers(&exchange.headers),
+        first_byte: exchange
+            .first_byte
+            .map(|at| at.saturating_duration_since(sent)),
     })
 }
 
@@ -177,7 +183,7 @@ pub async fn send(client: &HttpClient, request: Prepared, due: Instant) -> Outco
     let result = client
         .post_json(request.uri, request.body)
         .await
-        .and_then(answer);
+        .and_then(|exchange| answer(exchange, sent));
     Outcome {
         group: request.group,
         send_lag: sent.saturating_duration_since(due),

@@ -74,6 +74,9 @@ pub struct Summary {
     pub duration_s: f64,
     pub max_send_lag_ms: f64,
     pub latency_ms: Latency,
+    /// Send to the first byte of the body, successful requests with a body only: a streamed
+    /// answer's time to first token (about `latency_ms` for answers sent whole).
+    pub ttft_ms: Latency,
     pub endpoints: BTreeMap<String, usize>,
     pub groups_on_one_endpoint: GroupsOnOne,
     pub group_endpoints: GroupEndpoints,
@@ -85,18 +88,32 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// Percentiles of `values` (ms); `None` each when there are none.
+fn percentiles(values: &[f64]) -> Latency {
+    let at = |p| (!values.is_empty()).then(|| percentile(values, p));
+    Latency {
+        p50: at(50.0),
+        p95: at(95.0),
+        max: at(100.0),
+    }
+}
+
 fn latency(outcomes: &[Outcome]) -> Latency {
     let values: Vec<f64> = outcomes
         .iter()
         .filter(|o| o.result.is_ok())
         .map(|o| ms(o.latency))
         .collect();
-    let at = |p| (!values.is_empty()).then(|| percentile(&values, p));
-    Latency {
-        p50: at(50.0),
-        p95: at(95.0),
-        max: at(100.0),
-    }
+    percentiles(&values)
+}
+
+fn ttft(outcomes: &[Outcome]) -> Latency {
+    let values: Vec<f64> = outcomes
+        .iter()
+        .filter_map(|o| o.result.as_ref().ok()?.first_byte)
+        .map(ms)
+        .collect();
+    percentiles(&values)
 }
 
 fn usage_totals(outcomes: &[Outcome]) -> UsageTotals {
@@ -183,6 +200,7 @@ impl Summary {
             duration_s: duration.as_secs_f64(),
             max_send_lag_ms: outcomes.iter().map(|o| ms(o.send_lag)).fold(0.0, f64::max),
             latency_ms: latency(outcomes),
+            ttft_ms: ttft(outcomes),
             endpoints,
             groups_on_one_endpoint,
             group_endpoints,
@@ -201,15 +219,16 @@ impl Summary {
         );
         self.write_errors(&mut out);
         let fmt_ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1} ms"));
-        let l = &self.latency_ms;
-        let _ = writeln!(
-            out,
-            "{:<18}p50 {}  p95 {}  max {}",
-            "latency",
-            fmt_ms(l.p50),
-            fmt_ms(l.p95),
-            fmt_ms(l.max)
-        );
+        for (name, l) in [("latency", &self.latency_ms), ("first byte", &self.ttft_ms)] {
+            let _ = writeln!(
+                out,
+                "{:<18}p50 {}  p95 {}  max {}",
+                name,
+                fmt_ms(l.p50),
+                fmt_ms(l.p95),
+                fmt_ms(l.max)
+            );
+        }
         let endpoints: Vec<String> = self
             .endpoints
             .iter()
@@ -316,6 +335,7 @@ mod tests {
                     cached_tokens: cached,
                 }),
                 router: Vec::new(),
+                first_byte: Some(Duration::from_millis(latency_ms / 2)),
             }),
         }
     }
@@ -346,6 +366,8 @@ mod tests {
         assert_eq!(s.errors_by_kind["http_503"], 1);
         assert_eq!(s.latency_ms.p50, Some(20.0));
         assert_eq!(s.latency_ms.max, Some(40.0));
+        // The first bytes came halfway through each answer.
+        assert_eq!((s.ttft_ms.p50, s.ttft_ms.max), (Some(10.0), Some(20.0)));
         assert_eq!(s.max_send_lag_ms, 3.0);
         assert_eq!(s.endpoints["a"], 3);
         assert_eq!(
@@ -362,6 +384,10 @@ mod tests {
             text.contains("errors            3 (http_503 1, timeout 2)"),
             "{text}"
         );
+        assert!(
+            text.contains("first byte        p50 10.0 ms  p95 20.0 ms  max 20.0 ms"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -374,6 +400,7 @@ mod tests {
             None,
         );
         assert_eq!(s.latency_ms.p50, None);
+        assert_eq!(s.ttft_ms.p95, None);
         assert_eq!(s.usage.cached_ratio, None);
         assert!(s.text().contains("e.g. cannot connect: refused"));
     }
