@@ -84,6 +84,9 @@ pub struct TraceSpec {
     pub turns: Option<usize>,
     pub model: String,
     pub max_tokens: u32,
+    /// Bodies ask for a streamed answer (`"stream": true`), so a replay can time each answer's
+    /// first token apart from its decoding (see `prefixroute replay`'s `ttft_ms`).
+    pub stream: bool,
     pub seed: u64,
 }
 
@@ -100,6 +103,7 @@ impl Default for TraceSpec {
             turns: None,
             model: "cc-sim".into(),
             max_tokens: 16,
+            stream: false,
             seed: 42,
         }
     }
@@ -332,6 +336,16 @@ impl TraceSpec {
     }
 
     /// Generates the trace. The same spec always gives the same trace.
+    /// A request's OpenAI chat body.
+    fn body(&self, messages: Vec<Value>) -> Value {
+        let mut body =
+            json!({"model": self.model, "messages": messages, "max_tokens": self.max_tokens});
+        if self.stream {
+            body["stream"] = Value::Bool(true);
+        }
+        body
+    }
+
     pub fn generate(&self) -> Result<Vec<TraceRecord>, TraceError> {
         self.validate()?;
         let mut rng = Pcg64Mcg::seed_from_u64(self.seed);
@@ -417,7 +431,7 @@ impl TraceSpec {
             records.push(TraceRecord {
                 t: (t * 1e6).round() / 1e6,
                 group,
-                body: json!({"model": self.model, "messages": messages, "max_tokens": self.max_tokens}),
+                body: self.body(messages),
             });
         }
         Ok(records)
@@ -485,6 +499,25 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_eq!(a.len(), 64);
+    }
+
+    #[test]
+    fn a_streaming_trace_asks_for_streams_and_is_otherwise_the_same_trace() {
+        let plain = TraceSpec::default().generate().unwrap();
+        let streamed = TraceSpec {
+            stream: true,
+            ..TraceSpec::default()
+        }
+        .generate()
+        .unwrap();
+        assert_eq!(plain.len(), streamed.len());
+        for (p, s) in plain.iter().zip(&streamed) {
+            assert_eq!(p.body.get("stream"), None);
+            assert_eq!(s.body["stream"], true);
+            let mut s = s.clone();
+            s.body.as_object_mut().unwrap().remove("stream");
+            assert_eq!(&s, p);
+        }
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub struct Args {
     model: String,
     #[arg(long, default_value_t = 16)]
     max_tokens: u32,
+    /// Ask for streamed answers (`"stream": true`): `replay` then times each answer's first
+    /// token (`ttft_ms`) apart from its decoding.
+    #[arg(long)]
+    stream: bool,
     #[arg(long, default_value_t = 42)]
     seed: u64,
 }
@@ -69,6 +73,7 @@ pub fn run(args: Args) -> Result<()> {
         turns: args.turns,
         model: args.model,
         max_tokens: args.max_tokens,
+        stream: args.stream,
         seed: args.seed,
     };
     let records = spec.generate()?;
