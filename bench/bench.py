@@ -306,6 +306,9 @@ class Env:
         self.prefixroute = Path(args.prefixroute)
         self.wasm = Path(args.plugin_wasm)
         self.envoy = Path(args.envoy)
+        # Decode ms per output token on the sweep's and cache section's replicas; with
+        # decode time the traces stream and TTFT is the first byte (see `make_trace`).
+        self.decode_ms = getattr(args, "decode_ms", 0.0)
         self.venv_python = BENCH / ".venv" / "bin" / "python"
         self.workdir = workdir
         self.logs = workdir / "logs"
@@ -359,7 +362,7 @@ class FakeReplica:
             [env.prefixroute, "fake-server", "--port", "0", "--name", name,
              "--kv-blocks", kv_blocks, "--block-size", BLOCK_SIZE, "--lanes", lanes,
              "--prefill-overhead-ms", overhead_ms, "--prefill-ms-per-token", per_token_ms,
-             "--decode-ms-per-token", 0],
+             "--decode-ms-per-token", env.decode_ms],
             log_path, stderr_pipe=True)
         self.url = None
         lines = []
@@ -494,6 +497,9 @@ def make_trace(env, spec, requests, path):
         if key == "requests":
             value = requests
         argv += [f"--{key}", value]
+    if env.decode_ms:
+        # Streamed answers: the replay times each first token apart from its decoding.
+        argv.append("--stream")
     subprocess.run([str(a) for a in argv], check=True, capture_output=True, timeout=60)
 
 
@@ -516,19 +522,24 @@ def max_over_mean(counts):
     return max(counts) / mean if mean > 0 else None
 
 
-def summarize_replay(summary, fleet_names):
+def summarize_replay(summary, fleet_names, streamed=False):
+    """A replay's report as one table row. TTFT is the replay's latency (the last byte of an
+    answer sent whole, which without decode time is its first token), or with `streamed`
+    traces the first byte of the stream (`ttft_ms`)."""
     counts = [summary["endpoints"].get(n, 0) for n in fleet_names]
     sc = summary.get("server_counters") or {}
     g = summary["groups_on_one_endpoint"]
+    ttft = summary["ttft_ms"] if streamed else summary["latency_ms"]
     return {
         "requests": summary["requests"],
         "errors": summary["errors"],
         "errors_by_kind": summary["errors_by_kind"],
         "hit_rate": sc.get("hit_rate"),
         "settled": sc.get("settled"),
-        "p50_ms": summary["latency_ms"]["p50"],
-        "p95_ms": summary["latency_ms"]["p95"],
-        "max_ms": summary["latency_ms"]["max"],
+        "p50_ms": ttft["p50"],
+        "p95_ms": ttft["p95"],
+        "max_ms": ttft["max"],
+        "latency_p95_ms": summary["latency_ms"]["p95"],
         "per_replica": counts,
         "unknown_endpoint": summary["endpoints"].get("unknown", 0),
         "max_mean": max_over_mean(counts) if len(counts) > 1 else None,
@@ -559,7 +570,7 @@ def run_one(env, kind, sc, trace, requests, per_token_ms, tag):
         router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
         t0 = time.monotonic()
         summary = replay(env, trace, router.url, fleet, budget, f"{tag}-{kind}")
-        row = summarize_replay(summary, [r.name for r in fleet])
+        row = summarize_replay(summary, [r.name for r in fleet], bool(env.decode_ms))
         row["wall_s"] = time.monotonic() - t0
         row["plugin_stats"] = router.plugin_stats()
         return row
@@ -578,7 +589,7 @@ def run_sweep(env, scenarios, routers, costs, quick):
         trace = env.workdir / f"sweep-{key}.jsonl"
         make_trace(env, sc["trace"], requests, trace)
         results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
-                        "costs": {}}
+                        "decode_ms": env.decode_ms, "costs": {}}
         for cost in costs:
             rows = {}
             for kind in routers + ["upper"]:
@@ -604,7 +615,7 @@ def run_sim_sweep(env, scenarios, costs):
         for cost in costs:
             argv = [env.prefixroute, "simulate", trace, "--json", "--replicas", sc["replicas"],
                     "--cache-blocks", sc["kv_blocks"], "--slots", sc["lanes"],
-                    "--block-size", BLOCK_SIZE, "--decode-ms-per-token", 0,
+                    "--block-size", BLOCK_SIZE, "--decode-ms-per-token", env.decode_ms,
                     "--prefill-ms-per-token", cost]
             r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                                timeout=600, check=True)
@@ -673,6 +684,17 @@ def sweep_targets(sweep):
     return out
 
 
+def decode_text(decode_ms):
+    if not decode_ms:
+        return "no decode time"
+    return (f"{fmt_num(decode_ms)} ms of decode per output token (streamed answers; TTFT is "
+            "the first byte)")
+
+
+def fmt_num(v):
+    return f"{v:g}"
+
+
 def report_sweep(sweep):
     lines = []
     for key, res in sweep.items():
@@ -683,7 +705,7 @@ def report_sweep(sweep):
         lines.append(f"Trace: `prefixroute trace {trace_flags(sc['trace'], res['requests'])}`. "
                      f"Replicas: {sc['replicas']} fake servers, {sc['kv_blocks']} blocks x "
                      f"{BLOCK_SIZE} tokens of cache, {sc['lanes']} lanes, prefill 5 ms + the cost "
-                     "below per uncached token, no decode time.")
+                     f"below per uncached token, {decode_text(res.get('decode_ms', 0))}.")
         lines.append("")
         head = "| router |" + "".join(f" hit @{c} | p95 @{c} | max/mean @{c} |" for c in costs)
         lines.append(head)
@@ -756,7 +778,7 @@ def run_cache(env, scenarios, routers, quick):
                 router = Router(env, "direct" if kind == "upper" else kind, fleet, tag)
                 t0 = time.monotonic()
                 summary = replay(env, trace, router.url, fleet, budget, f"{tag}-{kind}")
-                row = summarize_replay(summary, [r.name for r in fleet])
+                row = summarize_replay(summary, [r.name for r in fleet], bool(env.decode_ms))
                 row["wall_s"] = time.monotonic() - t0
                 row["plugin_stats"] = router.plugin_stats()
                 rows[kind] = row
@@ -770,7 +792,7 @@ def run_cache(env, scenarios, routers, quick):
                 for r in fleet:
                     stop(r.proc)
         results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
-                        "rows": rows}
+                        "decode_ms": env.decode_ms, "rows": rows}
     return results
 
 
@@ -956,7 +978,8 @@ def report_cache(cache):
         lines.append(f"Trace: `prefixroute trace {flags}`. Replicas: {sc['replicas']} fake "
                      f"servers, {sc['kv_blocks']} blocks x {BLOCK_SIZE} tokens of cache, "
                      f"{sc['lanes']} lanes, prefill {sc['prefill_overhead_ms']} ms + "
-                     f"{sc['prefill_ms_per_token']} ms per uncached token, no decode time.")
+                     f"{sc['prefill_ms_per_token']} ms per uncached token, "
+                     f"{decode_text(res.get('decode_ms', 0))}.")
         lines.append("")
         lines.append("| router | hit rate | TTFT p50 | TTFT p95 | max/mean | groups on one "
                      "| requests per replica | errors |")
@@ -1191,6 +1214,10 @@ def main():
                    help="routers in the sweep section (default: all)")
     p.add_argument("--costs", default=",".join(str(c) for c in SWEEP_COSTS),
                    help="prefill costs of the sweep, ms per uncached token")
+    p.add_argument("--decode-ms", type=float, default=0.0,
+                   help="decode ms per output token on the replicas of the sweep, the simulator "
+                        "sweep and the cache section (default 0); above 0 the traces stream "
+                        "and TTFT is each answer's first byte")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="cache traces to run (default: all)")
     p.add_argument("--routers", default=",".join(CACHE_ROUTERS),
@@ -1299,7 +1326,9 @@ def main():
                "Hit rate: the replicas' own `vllm:prefix_cache_hits_total / queries_total` "
                "growth over the run. TTFT: `prefixroute replay` latency (send to last byte of "
                "a non-streaming answer with max_tokens 16 and no decode time, so prefill + "
-               "queueing + transport).", "", report_cache(results["cache"])]
+               "queueing + transport)" + (
+                   f"; here {decode_text(env.decode_ms)}" if env.decode_ms else "") + ".", "",
+               report_cache(results["cache"])]
         entries = cache_targets(results["cache"])
         results["cache_targets"] = entries
         if entries:
