@@ -40,11 +40,13 @@ impl EndpointLoad {
 /// covers what the server runs, what it queues and what is still on the wire, so
 /// `in_flight − running` is a lower bound on what waits there now; the queue estimate is the
 /// larger of that and the scraped queue. Without a fresh scrape the endpoint is unmeasured.
-/// The latency inputs get the work and the scraped queue; the caller adds the endpoint's
-/// learned prefill model.
+/// The latency inputs get the work and the scraped queue (with `sent_then`, the router's own
+/// requests in flight when it first saw the scrape: [`ServerQueue::sent_then`]); the caller
+/// adds the endpoint's learned prefill model.
 pub fn estimate_load(
     metrics: Option<&crate::metrics::ServerMetrics>,
     work: EndpointWork,
+    sent_then: Option<u32>,
     down: bool,
 ) -> EndpointLoad {
     let mut latency = LatencyInputs {
@@ -62,7 +64,11 @@ pub fn estimate_load(
     let waiting = m.num_requests_waiting.unwrap_or(0.0).max(0.0);
     let running = m.num_requests_running.unwrap_or(0.0).max(0.0);
     let unseen = (f64::from(work.in_flight) - running).max(0.0);
-    latency.server = Some(ServerQueue { waiting, running });
+    latency.server = Some(ServerQueue {
+        waiting,
+        running,
+        sent_then,
+    });
     EndpointLoad {
         queue: Some(waiting.max(unseen)),
         kv_usage: m.kv_cache_usage_perc.map(|u| u.clamp(0.0, 1.0)),
@@ -206,19 +212,26 @@ mod tests {
             in_flight,
             ..EndpointWork::default()
         };
-        assert_eq!(estimate_load(Some(&m), work(3), false).queue, Some(2.0));
-        assert_eq!(estimate_load(Some(&m), work(9), false).queue, Some(5.0));
-        let load = estimate_load(Some(&m), work(9), false);
+        assert_eq!(
+            estimate_load(Some(&m), work(3), None, false).queue,
+            Some(2.0)
+        );
+        assert_eq!(
+            estimate_load(Some(&m), work(9), None, false).queue,
+            Some(5.0)
+        );
+        let load = estimate_load(Some(&m), work(9), None, false);
         assert_eq!(load.kv_usage, Some(0.5));
         assert_eq!(
             load.latency.server,
             Some(ServerQueue {
                 waiting: 2.0,
-                running: 4.0
+                running: 4.0,
+                sent_then: None,
             })
         );
         assert_eq!(load.latency.work.in_flight, 9);
-        let unmeasured = estimate_load(None, work(9), true);
+        let unmeasured = estimate_load(None, work(9), None, true);
         assert_eq!(unmeasured.latency.server, None);
         assert_eq!(
             (unmeasured.queue, unmeasured.kv_usage, unmeasured.down),

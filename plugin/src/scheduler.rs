@@ -139,6 +139,9 @@ pub struct Scheduler<H: SharedData> {
     /// The last request's block hashes: the next one is hashed into their vectors.
     hashes: BlockHashes,
     tick_ms: u64,
+    /// Per endpoint, the last scrape this worker saw (its `scraped_at_ms`) and how many of
+    /// the router's requests were in flight there then (core's `ServerQueue::sent_then`).
+    scrape_seen: Vec<(u64, u32)>,
 }
 
 impl<H: SharedData> Scheduler<H> {
@@ -173,6 +176,7 @@ impl<H: SharedData> Scheduler<H> {
             pending: Vec::new(),
             events: Vec::new(),
             last_cold: Vec::new(),
+            scrape_seen: Vec::new(),
             hashes: BlockHashes::default(),
             tick_ms: tick,
             pool: Pool {
@@ -380,6 +384,8 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_growth(pooled.growth);
         self.router.set_live_groups(&pooled.live);
         let stale_after = self.config.scrape.stale_after_ms;
+        self.scrape_seen.resize(endpoints, (0, 0));
+        let seen = &mut self.scrape_seen;
         (0..endpoints)
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
@@ -390,11 +396,17 @@ impl<H: SharedData> Scheduler<H> {
                         self.config.index_capacity_blocks,
                     );
                     let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
+                    let work = pooled.work[e];
+                    let seen = &mut seen[e];
+                    if seen.0 != state.scraped_at_ms {
+                        *seen = (state.scraped_at_ms, work.in_flight);
+                    }
                     (
                         scaled_capacity(capacity, state.calibration),
                         estimate_load(
                             metrics,
-                            pooled.work[e],
+                            work,
+                            Some(seen.1),
                             state.down || !self.pool.members[e].routable,
                         ),
                     )
@@ -1444,6 +1456,8 @@ mod tests {
         cfg: PluginConfig,
         router: Router,
         ledger: RequestLedger,
+        /// The requests in flight per endpoint when the (one) scrape was first used.
+        sent_then: Vec<Option<u32>>,
     }
 
     impl CoreMirror {
@@ -1453,6 +1467,7 @@ mod tests {
                 cfg: cfg.clone(),
                 router: Router::new(cfg.router_config(), n),
                 ledger: RequestLedger::new(n),
+                sent_then: vec![None; n],
             }
         }
 
@@ -1467,7 +1482,9 @@ mod tests {
             let learned = self.ledger.learned.estimate(&self.cfg.latency);
             let loads: Vec<EndpointLoad> = (0..metrics.len())
                 .map(|e| {
-                    let mut load = estimate_load(Some(&metrics[e]), self.ledger.work[e], false);
+                    let work = self.ledger.work[e];
+                    let then = *self.sent_then[e].get_or_insert(work.in_flight);
+                    let mut load = estimate_load(Some(&metrics[e]), work, Some(then), false);
                     learned.apply_to(e, &mut load.latency);
                     load
                 })

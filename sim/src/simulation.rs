@@ -610,7 +610,11 @@ impl Simulation {
                 let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
                 load.down = !self.routable[e];
                 load.latency.work = gateway.ledger.work[e];
-                load.latency.server = Some(ServerQueue { waiting, running });
+                load.latency.server = Some(ServerQueue {
+                    waiting,
+                    running,
+                    sent_then: None,
+                });
                 learned.apply_to(e, &mut load.latency);
                 load
             })

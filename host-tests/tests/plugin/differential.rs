@@ -37,6 +37,9 @@ struct Mirror {
     answered: Vec<u32>,
     /// `num_gpu_blocks × block_size` last reported (0 = never).
     capacity_tokens: Vec<u64>,
+    /// The last scrape a route used and the requests in flight then (the plugin's rule for
+    /// core's `ServerQueue::sent_then`).
+    seen: Vec<(u64, u32)>,
 }
 
 /// What a scrape answer tells the plugin.
@@ -55,6 +58,7 @@ impl Mirror {
             down: vec![false; N],
             answered: vec![0; N],
             capacity_tokens: vec![0; N],
+            seen: vec![(0, 0); N],
         }
     }
 
@@ -112,11 +116,21 @@ impl Mirror {
         }
     }
 
-    fn load(&self, e: usize, now: u64, stale_after: u64, ledger: &RequestLedger) -> EndpointLoad {
+    fn load(
+        &mut self,
+        e: usize,
+        now: u64,
+        stale_after: u64,
+        ledger: &RequestLedger,
+    ) -> EndpointLoad {
+        let work = ledger.work[e];
+        if self.seen[e].0 != self.scraped_at[e] {
+            self.seen[e] = (self.scraped_at[e], work.in_flight);
+        }
         let fresh = self.metrics[e]
             .as_ref()
             .filter(|_| now.saturating_sub(self.scraped_at[e]) <= stale_after);
-        estimate_load(fresh, ledger.work[e], self.down[e])
+        estimate_load(fresh, work, Some(self.seen[e].1), self.down[e])
     }
 }
 
