@@ -687,12 +687,8 @@ def sweep_targets(sweep):
 def decode_text(decode_ms):
     if not decode_ms:
         return "no decode time"
-    return (f"{fmt_num(decode_ms)} ms of decode per output token (streamed answers; TTFT is "
+    return (f"{decode_ms:g} ms of decode per output token (streamed answers; TTFT is "
             "the first byte)")
-
-
-def fmt_num(v):
-    return f"{v:g}"
 
 
 def report_sweep(sweep):
