@@ -1,9 +1,10 @@
 //! The simulator: a trace through the router in front of simulated vLLM replicas.
 //!
 //! Each request arrives at its trace time, the router sees every replica's queue and KV-cache
-//! usage at that instant (a perfectly fresh scrape), picks, the replica serves (its own prefix
-//! cache decides hits, not the router's belief), and the router commits. It is stepwise so the
-//! web demo can show one decision at a time.
+//! usage as its gateway's last scrape showed them (every second by default, as the plugin
+//! scrapes; [`SimConfig::scrape_interval_ms`]), picks, the replica serves (its own prefix cache
+//! decides hits, not the router's belief), and the router commits. It is stepwise so the web
+//! demo can show one decision at a time.
 //!
 //! The router also keeps what a proxy keeps: the requests it has in flight per replica and the
 //! prefill work of those whose first byte has not come back ([`EndpointWork`]), released when
@@ -25,9 +26,11 @@ use crate::trace::TraceRecord;
 use prefixroute_core::config::IndexMode;
 use prefixroute_core::feed::StoredRun;
 use prefixroute_core::hashing::{hash_request, BlockHashes};
-use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens, ServerQueue};
+use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens};
+use prefixroute_core::metrics::ServerMetrics;
 use prefixroute_core::request::{parse_value, RequestError};
 use prefixroute_core::router::{Decision, EndpointLoad, Router, RouterConfig};
+use prefixroute_core::scorer::estimate_load;
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SimError {
@@ -45,6 +48,8 @@ pub enum SimError {
     NoGateways,
     #[error("kv_interval_ms must be a number >= 0, got {0}")]
     KvInterval(f64),
+    #[error("scrape_interval_ms must be a number >= 0, got {0}")]
+    ScrapeInterval(f64),
     #[error(transparent)]
     Disagg(#[from] crate::disagg::DisaggError),
     #[error(transparent)]
@@ -83,6 +88,16 @@ pub struct SimConfig {
     /// reaches every belief the moment the replica makes it. The gateways' fetches are spread
     /// evenly over the interval, as independent Envoys' timers are.
     pub kv_interval_ms: f64,
+    /// How often each gateway scrapes the replicas' metrics, in ms (the plugin's
+    /// `scrape.interval_ms`): a decision sees the queues (`num_requests_waiting`, `running`)
+    /// and cache usage of the gateway's last scrape, which counts none of the requests sent
+    /// since and all of those that ended since, and the router reads it as the plugin does
+    /// (core's `estimate_load`, with its own requests in flight when it first used the scrape).
+    /// The gateways' scrapes are spread evenly over the interval, as independent Envoys'
+    /// timers are. 0: every decision sees the replicas as they are at that instant (an ideal
+    /// scrape). The calibration against the replicas' hit counters and the noticing of a
+    /// restart keep their own 1 s cadence ([`SCRAPE_INTERVAL_MS`]) either way.
+    pub scrape_interval_ms: f64,
 }
 
 impl Default for SimConfig {
@@ -98,6 +113,7 @@ impl Default for SimConfig {
             gateways: 1,
             spread: GatewaySpread::InTurn,
             kv_interval_ms: 0.0,
+            scrape_interval_ms: SCRAPE_INTERVAL_MS,
         }
     }
 }
@@ -290,6 +306,29 @@ struct Gateway {
     checked: Vec<(u64, u64, SentTokens)>,
     /// The replicas' cache changes this gateway has not fetched yet, oldest first.
     feed: std::collections::VecDeque<Fetched>,
+    /// The gateway's last scrape of the replicas (`None` before its first, or with an ideal
+    /// scrape at every decision).
+    scrape: Option<Scrape>,
+}
+
+/// What one scrape of every replica read, and what the gateway had in flight there when it
+/// first routed on it.
+struct Scrape {
+    at_ms: f64,
+    replicas: Vec<ServerMetrics>,
+    /// Set at the first decision that reads this scrape
+    /// ([`prefixroute_core::latency::ServerQueue::sent_then`]).
+    sent_then: Option<Vec<u32>>,
+}
+
+/// The replica's load metrics at `at_ms`, as its `/metrics` would report them.
+fn scraped(replica: &ReplicaSim, at_ms: f64) -> ServerMetrics {
+    ServerMetrics {
+        num_requests_waiting: Some(replica.waiting(at_ms) as f64),
+        num_requests_running: Some(replica.running(at_ms) as f64),
+        kv_cache_usage_perc: Some(replica.kv_usage(at_ms)),
+        ..ServerMetrics::default()
+    }
 }
 
 /// A replica's cache change, as a gateway's feed delivers it.
@@ -317,6 +356,13 @@ fn next_fetch_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> f64 {
     phase + k.max(0.0) * interval
 }
 
+/// When gateway `g` of `count` last scraped by `now_ms`: every `interval` ms, the gateways'
+/// scrapes spread evenly over it; `None` before its first.
+fn last_scrape_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> Option<f64> {
+    let phase = interval * g as f64 / count as f64;
+    (now_ms >= phase).then(|| phase + ((now_ms - phase) / interval).floor() * interval)
+}
+
 /// A run in progress.
 pub struct Simulation {
     requests: Vec<SimRequest>,
@@ -337,6 +383,8 @@ pub struct Simulation {
     /// The belief follows the replicas' KV events (`index: precise`).
     precise: bool,
     kv_interval_ms: f64,
+    /// 0: an ideal scrape at every decision.
+    scrape_interval_ms: f64,
     spread: GatewaySpread,
     /// Changes to the fleet still to come, latest first (see [`crate::fleet`]).
     fleet: Vec<FleetEvent>,
@@ -358,6 +406,9 @@ impl Simulation {
         }
         if !(config.kv_interval_ms.is_finite() && config.kv_interval_ms >= 0.0) {
             return Err(SimError::KvInterval(config.kv_interval_ms));
+        }
+        if !(config.scrape_interval_ms.is_finite() && config.scrape_interval_ms >= 0.0) {
+            return Err(SimError::ScrapeInterval(config.scrape_interval_ms));
         }
         if let Some(pd) = &config.pd {
             pd.validate()?;
@@ -386,6 +437,7 @@ impl Simulation {
                 calibration: vec![Calibration::default(); n],
                 checked: vec![(0, 0, SentTokens::default()); n],
                 feed: std::collections::VecDeque::new(),
+                scrape: None,
             }
         };
         Ok(Simulation {
@@ -400,6 +452,7 @@ impl Simulation {
             pd: config.pd,
             precise: config.index == IndexMode::Precise,
             kv_interval_ms: config.kv_interval_ms,
+            scrape_interval_ms: config.scrape_interval_ms,
             spread: config.spread,
             prefill_pool: config
                 .pd
@@ -598,23 +651,58 @@ impl Simulation {
         }
     }
 
-    /// What a gateway's router knows of every replica at `now_ms`: a fresh scrape plus its
-    /// ledger.
-    fn loads(&self, gateway: &Gateway, now_ms: f64) -> Vec<EndpointLoad> {
-        let latency = gateway.router.config().latency;
-        let learned = gateway.ledger.learned.estimate(&latency);
+    /// Every gateway's scrape as of `now_ms`. Called before each admission, so a replica's
+    /// state at any time since the previous request is still what it was then.
+    fn scrape(&mut self, now_ms: f64) {
+        let interval = self.scrape_interval_ms;
+        if interval <= 0.0 {
+            return;
+        }
+        let count = self.gateways.len();
+        for (g, gateway) in self.gateways.iter_mut().enumerate() {
+            let Some(at_ms) = last_scrape_ms(now_ms, interval, g, count) else {
+                continue;
+            };
+            if gateway.scrape.as_ref().is_some_and(|s| s.at_ms == at_ms) {
+                continue;
+            }
+            gateway.scrape = Some(Scrape {
+                at_ms,
+                replicas: self.replicas.iter().map(|r| scraped(r, at_ms)).collect(),
+                sent_then: None,
+            });
+        }
+    }
+
+    /// What a gateway's router knows of every replica at `now_ms`: its last scrape (or an
+    /// ideal one now) read as the plugin reads it, plus its ledger.
+    fn loads(&mut self, gateway: usize, now_ms: f64) -> Vec<EndpointLoad> {
+        let ideal = self.scrape_interval_ms <= 0.0;
+        let g = &mut self.gateways[gateway];
+        let latency = g.router.config().latency;
+        let learned = g.ledger.learned.estimate(&latency);
+        let work = &g.ledger.work;
+        // The plugin notes its own requests in flight when it first routes on a scrape.
+        if let Some(scrape) = g.scrape.as_mut() {
+            scrape
+                .sent_then
+                .get_or_insert_with(|| work.iter().map(|w| w.in_flight).collect());
+        }
         (0..self.replicas.len())
             .map(|e| {
-                let r = &self.replicas[e];
-                let (waiting, running) = (r.waiting(now_ms) as f64, r.running(now_ms) as f64);
-                let mut load = EndpointLoad::measured(waiting, r.kv_usage(now_ms));
-                load.down = !self.routable[e];
-                load.latency.work = gateway.ledger.work[e];
-                load.latency.server = Some(ServerQueue {
-                    waiting,
-                    running,
-                    sent_then: None,
-                });
+                let (metrics, sent_then) = if ideal {
+                    (Some(scraped(&self.replicas[e], now_ms)), None)
+                } else {
+                    match &g.scrape {
+                        Some(s) => (
+                            s.replicas.get(e).cloned(),
+                            s.sent_then.as_ref().and_then(|t| t.get(e).copied()),
+                        ),
+                        None => (None, None),
+                    }
+                };
+                let mut load =
+                    estimate_load(metrics.as_ref(), work[e], sent_then, !self.routable[e]);
                 learned.apply_to(e, &mut load.latency);
                 load
             })
@@ -632,10 +720,11 @@ impl Simulation {
         self.catch_up(now_ms);
         self.change_fleet(now_ms);
         self.calibrate(now_ms);
+        self.scrape(now_ms);
         let gateway = self
             .spread
             .gateway(index, &self.requests[index].group, self.gateways.len());
-        let loads = self.loads(&self.gateways[gateway], now_ms);
+        let loads = self.loads(gateway, now_ms);
         let request = &self.requests[index];
         let router = &mut self.gateways[gateway].router;
         router.set_now(now_ms);

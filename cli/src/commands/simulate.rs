@@ -84,6 +84,11 @@ pub struct Args {
     /// plugin's default long poll delivers a change in about 10 ms.
     #[arg(long, default_value_t = 0.0)]
     kv_interval_ms: f64,
+    /// How often each gateway scrapes the replicas' queues and cache usage, in ms (the
+    /// plugin's `scrape.interval_ms`): a decision sees the last scrape, as in Envoy. 0: an
+    /// ideal scrape at every decision.
+    #[arg(long, default_value_t = prefixroute_sim::simulation::SCRAPE_INTERVAL_MS)]
+    scrape_interval_ms: f64,
     /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
     /// away 20 s into the trace; what it holds finishes), `up:replica-2@40` (a pod with an
     /// empty cache takes the slot), `restart:replica-1@30` (restarts in place: the router sees
@@ -204,6 +209,7 @@ pub fn run(args: Args) -> Result<()> {
         gateways: args.gateways as usize,
         spread: args.gateway_spread,
         kv_interval_ms: args.kv_interval_ms,
+        scrape_interval_ms: args.scrape_interval_ms,
         ..SimConfig::default()
     };
     base.router.weights = args.weights;
