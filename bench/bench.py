@@ -309,6 +309,8 @@ class Env:
         # Decode ms per output token on the sweep's and cache section's replicas; with
         # decode time the traces stream and TTFT is the first byte (see `make_trace`).
         self.decode_ms = getattr(args, "decode_ms", 0.0)
+        # Our routers are told the replicas' lanes instead of learning them.
+        self.prior_lanes_from_fleet = getattr(args, "prior_lanes_from_fleet", False)
         self.venv_python = BENCH / ".venv" / "bin" / "python"
         self.workdir = workdir
         self.logs = workdir / "logs"
@@ -357,6 +359,7 @@ def ab_setup(args, tag):
 class FakeReplica:
     def __init__(self, env, name, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
         self.name = name
+        self.lanes = lanes
         log_path = env.log_path(f"{tag}-{name}")
         self.proc = spawn(
             [env.prefixroute, "fake-server", "--port", "0", "--name", name,
@@ -454,6 +457,8 @@ class Router:
                     "--concurrency", ENVOY_CONCURRENCY]
             for r in fleet:
                 argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
+            if kind in PLUGIN and env.prior_lanes_from_fleet:
+                argv += ["--prior-lanes", fleet[0].lanes]
             self.proc = spawn(argv, log_path)
             wait_until(f"Envoy ({kind})",
                        lambda: http_get(f"http://127.0.0.1:{admin}/ready") == 200,
@@ -589,7 +594,8 @@ def run_sweep(env, scenarios, routers, costs, quick):
         trace = env.workdir / f"sweep-{key}.jsonl"
         make_trace(env, sc["trace"], requests, trace)
         results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
-                        "decode_ms": env.decode_ms, "costs": {}}
+                        "decode_ms": env.decode_ms,
+                        "prior_lanes_from_fleet": env.prior_lanes_from_fleet, "costs": {}}
         for cost in costs:
             rows = {}
             for kind in routers + ["upper"]:
@@ -617,6 +623,8 @@ def run_sim_sweep(env, scenarios, costs):
                     "--cache-blocks", sc["kv_blocks"], "--slots", sc["lanes"],
                     "--block-size", BLOCK_SIZE, "--decode-ms-per-token", env.decode_ms,
                     "--prefill-ms-per-token", cost]
+            if env.prior_lanes_from_fleet:
+                argv += ["--prior-lanes", sc["lanes"]]
             r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                                timeout=600, check=True)
             results[key]["costs"][str(cost)] = json.loads(r.stdout)
@@ -701,7 +709,9 @@ def report_sweep(sweep):
         lines.append(f"Trace: `prefixroute trace {trace_flags(sc['trace'], res['requests'])}`. "
                      f"Replicas: {sc['replicas']} fake servers, {sc['kv_blocks']} blocks x "
                      f"{BLOCK_SIZE} tokens of cache, {sc['lanes']} lanes, prefill 5 ms + the cost "
-                     f"below per uncached token, {decode_text(res.get('decode_ms', 0))}.")
+                     f"below per uncached token, {decode_text(res.get('decode_ms', 0))}."
+                     + (" Our routers are told the replicas' lanes (`--prior-lanes`)."
+                        if res.get("prior_lanes_from_fleet") else ""))
         lines.append("")
         head = "| router |" + "".join(f" hit @{c} | p95 @{c} | max/mean @{c} |" for c in costs)
         lines.append(head)
@@ -1214,6 +1224,11 @@ def main():
                    help="decode ms per output token on the replicas of the sweep, the simulator "
                         "sweep and the cache section (default 0); above 0 the traces stream "
                         "and TTFT is each answer's first byte")
+    p.add_argument("--prior-lanes-from-fleet", action="store_true",
+                   help="tell our routers the replicas' lanes (`serve --prior-lanes`, the "
+                        "plugin's `latency.lanes`; `simulate --prior-lanes` in the simulator "
+                        "sweep), as an operator who knows how many sequences a replica "
+                        "prefills at once would; by default they learn it")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="cache traces to run (default: all)")
     p.add_argument("--routers", default=",".join(CACHE_ROUTERS),

@@ -47,6 +47,10 @@ pub struct Args {
     /// The latency policy's prior prefill cost per token.
     #[arg(long, default_value_t = LatencyConfig::default().prefill_ms_per_token)]
     prior_ms_per_token: f64,
+    /// The most sequences the latency policy assumes a replica prefills at once (the plugin's
+    /// `latency.lanes`, `serve --prior-lanes`); it learns how many do, at most this many.
+    #[arg(long, default_value_t = LatencyConfig::default().lanes)]
+    prior_lanes: u32,
     #[arg(long, default_value_t = ReplicaTiming::default().decode_ms_per_token)]
     decode_ms_per_token: f64,
     /// Print the first N decisions of each policy.
@@ -218,6 +222,7 @@ pub fn run(args: Args) -> Result<()> {
     base.router.seed = args.seed;
     base.router.placement = args.placement;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
+    base.router.latency.lanes = args.prior_lanes;
     if let Some((pd, _, model)) = &split {
         if !args.fleet_events.is_empty() {
             bail!("--fleet-event is not supported with --prefill-replicas");
