@@ -447,6 +447,14 @@ fn bad_gateway_flags_exit_2_with_one_clear_line() {
             ],
             "error: --gateways is not supported with --prefill-replicas",
         ),
+        (
+            vec!["--scrape-interval-ms=-5"],
+            "error: scrape_interval_ms must be a number >= 0, got -5",
+        ),
+        (
+            vec!["--prior-lanes", "0"],
+            "error: latency.lanes must be in 1..4096, got 0",
+        ),
     ] {
         simulate_refuses(t, &flags, message);
     }

@@ -374,3 +374,32 @@ fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
         bound.ttft_p95_ms
     );
 }
+
+/// The same hot tenant at 0.5 ms/token with the replicas' queues seen as the plugin sees them,
+/// a scrape a second old. Left to learn the lanes, the fit still believed 4 (the replicas have
+/// 2) while the tenant queued in short bursts, no queue was seen at a decision, and the tenant
+/// stayed on one replica: TTFT p95 51.4 ms against the bound's 36.5, busiest replica 3.89× the
+/// mean (real Envoy: 61.5 ms against 39.7). Told the lanes (`latency.lanes`, as an operator who
+/// knows them would set it), the router makes the second copy: 37.0 ms and 2.18× (Envoy: 45 ms).
+#[test]
+fn told_its_replicas_lanes_a_hot_prefix_gets_its_second_copy_with_second_old_scrapes() {
+    let trace = TraceSpec {
+        rate: 50.0,
+        hot: Some(0.6),
+        ..spec(TraceShape::Tenants, 8, 600, 40, 600, 12)
+    }
+    .generate()
+    .unwrap();
+    let mut config = fleet(200);
+    config.replicas = 6;
+    config.timing.lanes = 2;
+    config.timing.prefill_ms_per_token = 0.5;
+    config.router.latency.lanes = 2;
+    assert_eq!(config.scrape_interval_ms, 1000.0);
+    let latency = at_the_upper_bound(&trace, config, 0.99, 1.1);
+    let spread = max_over_mean(&latency.requests_per_replica);
+    assert!(
+        spread <= 2.5,
+        "max/mean {spread:.2}: one copy of the hot tenant"
+    );
+}
