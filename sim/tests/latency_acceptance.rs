@@ -341,17 +341,10 @@ fn conversations_that_outgrow_every_cache_are_still_routed_better_than_prefix() 
     );
 }
 
-/// A hot tenant right after a start: the sweep's `hot` trace (8 tenants, one with 60% of 50
-/// requests/s, six replicas of 200 blocks and 2 lanes) at 1 ms/token. Its prompt is held by
-/// one replica, whose queue each request would rather wait in (tens of ms) than prefill the
-/// prompt elsewhere (~770 ms); priced alone, nobody paid for the second copy until request
-/// #29, and the requests before it queued up to 270 ms. The copy credit counts what a copy
-/// saves the prefix's later requests. Measured: TTFT p95 150.2 ms before (`prefix` 118.5),
-/// 89.6 ms with it, against the bound's 68.0; the hit rate 99.7% → 99.8% of the bound's.
-#[test]
-fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
-    // `prefixroute trace --shape tenants --tenants 8 --prompt-words 600 --question-words 40
-    // --rate 50 --requests 600 --hot 0.6 --seed 12`
+/// The sweep's `hot` trace and fleet at `ms_per_token`: `prefixroute trace --shape tenants
+/// --tenants 8 --prompt-words 600 --question-words 40 --rate 50 --requests 600 --hot 0.6
+/// --seed 12` over six replicas of 200 blocks and 2 lanes.
+fn sweep_hot(ms_per_token: f64) -> (Vec<TraceRecord>, SimConfig) {
     let trace = TraceSpec {
         rate: 50.0,
         hot: Some(0.6),
@@ -362,7 +355,20 @@ fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
     let mut config = fleet(200);
     config.replicas = 6;
     config.timing.lanes = 2;
-    config.timing.prefill_ms_per_token = 1.0;
+    config.timing.prefill_ms_per_token = ms_per_token;
+    (trace, config)
+}
+
+/// A hot tenant right after a start: the sweep's `hot` trace (8 tenants, one with 60% of 50
+/// requests/s, six replicas of 200 blocks and 2 lanes) at 1 ms/token. Its prompt is held by
+/// one replica, whose queue each request would rather wait in (tens of ms) than prefill the
+/// prompt elsewhere (~770 ms); priced alone, nobody paid for the second copy until request
+/// #29, and the requests before it queued up to 270 ms. The copy credit counts what a copy
+/// saves the prefix's later requests. Measured: TTFT p95 150.2 ms before (`prefix` 118.5),
+/// 89.6 ms with it, against the bound's 68.0; the hit rate 99.7% → 99.8% of the bound's.
+#[test]
+fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
+    let (trace, config) = sweep_hot(1.0);
     let bound = upper_bound(&trace, config).unwrap();
     let latency = at_the_upper_bound(&trace, config, 0.995, 1.5);
     let prefix = run(&trace, config, Policy::Prefix);
@@ -383,17 +389,7 @@ fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
 /// knows them would set it), the router makes the second copy: 37.0 ms and 2.18× (Envoy: 45 ms).
 #[test]
 fn told_its_replicas_lanes_a_hot_prefix_gets_its_second_copy_with_second_old_scrapes() {
-    let trace = TraceSpec {
-        rate: 50.0,
-        hot: Some(0.6),
-        ..spec(TraceShape::Tenants, 8, 600, 40, 600, 12)
-    }
-    .generate()
-    .unwrap();
-    let mut config = fleet(200);
-    config.replicas = 6;
-    config.timing.lanes = 2;
-    config.timing.prefill_ms_per_token = 0.5;
+    let (trace, mut config) = sweep_hot(0.5);
     config.router.latency.lanes = 2;
     assert_eq!(config.scrape_interval_ms, 1000.0);
     let latency = at_the_upper_bound(&trace, config, 0.99, 1.1);
