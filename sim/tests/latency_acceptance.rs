@@ -387,6 +387,9 @@ fn a_hot_prefix_gets_its_second_copy_before_its_queue_sets_the_tail() {
 /// stayed on one replica: TTFT p95 51.4 ms against the bound's 36.5, busiest replica 3.89× the
 /// mean (real Envoy: 61.5 ms against 39.7). Told the lanes (`latency.lanes`, as an operator who
 /// knows them would set it), the router makes the second copy: 37.0 ms and 2.18× (Envoy: 45 ms).
+/// It makes it at the tenant's second request, in the first burst: a tenant that turns hot
+/// after an even start gets no copy, told or not (docs/benchmarks.md), which this does not
+/// test.
 #[test]
 fn told_its_replicas_lanes_a_hot_prefix_gets_its_second_copy_with_second_old_scrapes() {
     let (trace, mut config) = sweep_hot(0.5);
