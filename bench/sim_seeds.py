@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import SWEEP_SCENARIOS  # noqa: E402
+from bench import SWEEP_SCENARIOS, max_over_mean  # noqa: E402
 
 COSTS = (0.1, 0.5, 1.0)
 # `prefixroute simulate --policy`'s names.
@@ -88,7 +88,7 @@ def simulate(binary, path, scenario, cost, policies, extra=(), decode_ms=0.0):
         per = ours["requests_per_replica"]
         rows.append((ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0,
                      ours["ttft_p95_ms"] / bound["ttft_p95_ms"],
-                     max(per) / (sum(per) / len(per))))
+                     max_over_mean(per)))
     return rows
 
 

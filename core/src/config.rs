@@ -859,22 +859,11 @@ fn pruned(value: &serde_json::Value, path: &[Step], without: Option<&Step>) -> s
     }
 }
 
-/// Where in `value` the error `message` of deserializing a [`PluginConfig`] from it lies, as
-/// `endpoints[0].address` (empty: at the top). The path descends, one step at a time, into the
-/// child that on its own (the configuration cut down to it) fails with exactly this message
-/// and without which it no longer does; it stops where no child is both, also where the same
-/// error is in two places (then it names the object holding both). A missing field or a wrong
-/// length is an object's or a list's error, so it never descends into a scalar for one; nor into the key of an unknown
-/// variant (`{"variant": …}` is how an enum is spelled, the error is the enum's).
-///
-/// Why not `serde_path_to_error`, which tracks the path as serde walks: its wrapper is
-/// instantiated for every type of the configuration, 15 KB of the plugin's `.wasm` for a path
-/// only an error needs. This costs a few deserializations of small cut-down values, once, on
-/// a broken configuration; a test checks it against `serde_path_to_error` on every field.
 /// A configuration from its JSON value, through its text: serde_json's reader of text is in
-/// the plugin already (request bodies), and reading a `Value` directly would add its own copy of
-/// every field's visitor (~30 KB of `.wasm`). The error is serde_json's message without the
-/// position in that text, which the operator never wrote.
+/// the plugin already (request bodies), and reading a `Value` directly put serde_json's `Value`
+/// deserializer, with the fields' visitors inlined, in the plugin beside it (1.1 KB of `.wasm`
+/// net, docs/benchmarks.md). The error is serde_json's message without the position in that
+/// text, which the operator never wrote.
 fn decode_config(value: &serde_json::Value) -> Result<PluginConfig, String> {
     let text = serde_json::to_vec(value).map_err(|e| e.to_string())?;
     serde_json::from_slice::<PluginConfig>(&text).map_err(|e| {
@@ -887,6 +876,18 @@ fn decode_config(value: &serde_json::Value) -> Result<PluginConfig, String> {
     })
 }
 
+/// Where in `value` the error `message` of deserializing a [`PluginConfig`] from it lies, as
+/// `endpoints[0].address` (empty: at the top). The path descends, one step at a time, into the
+/// child that on its own (the configuration cut down to it) fails with exactly this message
+/// and without which it no longer does; it stops where no child is both, also where the same
+/// error is in two places (then it names the object holding both). A missing field or a wrong
+/// length is an object's or a list's error, so it never descends into a scalar for one; nor into the key of an unknown
+/// variant (`{"variant": …}` is how an enum is spelled, the error is the enum's).
+///
+/// Why not `serde_path_to_error`, which tracks the path as serde walks: its wrapper is
+/// instantiated for every type of the configuration, 15 KB of the plugin's `.wasm` for a path
+/// only an error needs. This costs a few deserializations of small cut-down values, once, on
+/// a broken configuration; a test checks it against `serde_path_to_error` on every field.
 fn error_path(value: &serde_json::Value, message: &str) -> String {
     use serde_json::Value;
     let fails = |v: Value| decode_config(&v).is_err_and(|e| e == message);

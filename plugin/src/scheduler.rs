@@ -492,8 +492,9 @@ impl<H: SharedData> Scheduler<H> {
     }
 
     /// The first response byte of a steered request (the first byte of its body, or its end
-    /// without one): its prefill is done. A 2xx answer to a request routed with a prediction also teaches the endpoint's
-    /// prefill model how long that took; anything else (a local reply, an error) does not.
+    /// without one): its prefill is done. A 2xx answer to a request routed with a prediction
+    /// also teaches the endpoint's prefill model how long that took; anything else (a local
+    /// reply, an error) does not.
     pub fn first_byte(&mut self, ticket: &mut Ticket, success: bool, now_ms: u64) {
         if ticket.first_byte_ms.is_some() {
             return;

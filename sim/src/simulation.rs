@@ -690,19 +690,20 @@ impl Simulation {
         }
         (0..self.replicas.len())
             .map(|e| {
+                let now;
                 let (metrics, sent_then) = if ideal {
-                    (Some(scraped(&self.replicas[e], now_ms)), None)
+                    now = scraped(&self.replicas[e], now_ms);
+                    (Some(&now), None)
                 } else {
                     match &g.scrape {
                         Some(s) => (
-                            s.replicas.get(e).cloned(),
+                            s.replicas.get(e),
                             s.sent_then.as_ref().and_then(|t| t.get(e).copied()),
                         ),
                         None => (None, None),
                     }
                 };
-                let mut load =
-                    estimate_load(metrics.as_ref(), work[e], sent_then, !self.routable[e]);
+                let mut load = estimate_load(metrics, work[e], sent_then, !self.routable[e]);
                 learned.apply_to(e, &mut load.latency);
                 load
             })
