@@ -455,6 +455,10 @@ fn bad_gateway_flags_exit_2_with_one_clear_line() {
             vec!["--prior-lanes", "0"],
             "error: latency.lanes must be in 1..4096, got 0",
         ),
+        (
+            vec!["--balance-factor", "0.5"],
+            "error: latency.balance_factor must be 0 (off) or in 1..100, got 0.5",
+        ),
     ] {
         simulate_refuses(t, &flags, message);
     }

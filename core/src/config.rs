@@ -1278,6 +1278,14 @@ mod tests {
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"latency":{"speed":1}}"#,
                 "latency.speed: unknown field `speed`",
             ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"latency":{"balance_factor":0.5}}"#,
+                "latency.balance_factor must be 0 (off) or in 1..100, got 0.5",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"latency":{"balance_factor":-1}}"#,
+                "latency.balance_factor must be 0 (off) or in 1..100, got -1",
+            ),
         ];
         for (json, needle) in cases {
             let err = plugin(json).unwrap_err().to_string();

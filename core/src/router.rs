@@ -14,7 +14,8 @@ use crate::feed::StoredRun;
 use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore, Turn};
 use crate::latency::{
-    copy_credit_ms, predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction, PrefixRates,
+    copy_credit_ms, predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction,
+    PrefixRates, RecentRequests,
 };
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
@@ -33,13 +34,19 @@ pub struct EndpointScores {
     /// single-signal policies, minus the predicted cost in ms for `latency`, 0 for
     /// `round-robin` and `random`, which do not score.
     pub total: f64,
-    /// Not eligible: down while another endpoint was up, saturated while another was not, or
-    /// `away_from_head`.
+    /// Not eligible: down while another endpoint was up, saturated while another was not,
+    /// `away_from_head` or `over_share`.
     pub excluded: bool,
     /// Set aside for a group's second request under `latency`: the group lives elsewhere and
     /// this endpoint does not hold its shared head (see `keep_moves_among_head_holders`).
     #[serde(default)]
     pub away_from_head: bool,
+    /// Set aside for a group's first request under `latency`: the endpoint holds the request's
+    /// prefix, which is busier than one endpoint's fair share, and has taken more than
+    /// `latency.balance_factor` times the mean endpoint's recent requests (see
+    /// `bound_busy_holders`).
+    #[serde(default)]
+    pub over_share: bool,
     /// At or above a saturation threshold (queue or KV-cache usage).
     pub saturated: bool,
     /// The `latency` policy's prediction for this endpoint (`None` under other policies).
@@ -166,6 +173,8 @@ impl Decision {
                 let mark = if i == self.endpoint { "*" } else { " " };
                 let state = if s.away_from_head {
                     " (set aside: a second request moves only to its shared head)"
+                } else if s.over_share {
+                    " (set aside: holds a hot prefix and took over its share of requests)"
                 } else if s.excluded {
                     " (excluded)"
                 } else {
@@ -398,6 +407,8 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     ends: RecentEnds,
     /// How often requests start groups on each shared prefix (for `latency`'s copy credit).
     starts: PrefixRates,
+    /// The requests sent to each endpoint lately (for `latency`'s bounded share).
+    recent: RecentRequests,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -427,6 +438,7 @@ impl<S: PrefixStore> Router<S> {
             now_ms: 0.0,
             ends: RecentEnds::new(),
             starts: PrefixRates::default(),
+            recent: RecentRequests::new(endpoints),
             tie_key: None,
             tie_home: None,
         }
@@ -454,6 +466,7 @@ impl<S: PrefixStore> Router<S> {
         self.endpoints = endpoints;
         self.last_cold = vec![None; endpoints];
         self.live = LiveGroups::new(endpoints);
+        self.recent = RecentRequests::new(endpoints);
         self.next_round_robin = self.next_round_robin.min(endpoints.saturating_sub(1));
     }
 
@@ -528,7 +541,7 @@ impl<S: PrefixStore> Router<S> {
         let scores = self.score(hashes, &matches, loads, &filter, cold, continued);
         // What the policy may choose from: the eligible endpoints, less those the scoring set
         // aside (a second request's moves, see `keep_moves_among_head_holders`).
-        let set_aside = scores.iter().any(|s| s.away_from_head);
+        let set_aside = scores.iter().any(|s| s.away_from_head || s.over_share);
         let narrowed: Vec<bool>;
         let choosable = if set_aside {
             narrowed = scores.iter().map(|s| !s.excluded).collect();
@@ -555,7 +568,10 @@ impl<S: PrefixStore> Router<S> {
                 if set_aside {
                     // A failover may still go anywhere eligible, the set-aside ones last.
                     let rest = ranked_after(&scores, &filter.eligible, endpoint);
-                    ranked.extend(rest.into_iter().filter(|&i| scores[i].away_from_head));
+                    ranked.extend(
+                        rest.into_iter()
+                            .filter(|&i| scores[i].away_from_head || scores[i].over_share),
+                    );
                 }
                 (runner_up, ranked)
             }
@@ -710,6 +726,7 @@ impl<S: PrefixStore> Router<S> {
                     total,
                     excluded: !filter.eligible[i],
                     away_from_head: false,
+                    over_share: false,
                     saturated: filter.saturated[i],
                     prediction,
                     room,
@@ -718,9 +735,34 @@ impl<S: PrefixStore> Router<S> {
             })
             .collect();
         if let (None, [chain]) = (continued, hashes.chains.as_slice()) {
-            credit_copies(&mut scores, |held| {
-                prefix_end(chain, held).map_or(0.0, |h| self.starts.per_second(h, self.now_ms))
-            });
+            // The longest believed match, and how many eligible endpoints hold it as far: the
+            // prefix's requests spread over them.
+            let held = scores
+                .iter()
+                .filter(|s| !s.excluded)
+                .map(|s| s.matched_blocks)
+                .max();
+            let held = held.unwrap_or(0);
+            let holders = scores
+                .iter()
+                .filter(|s| !s.excluded && s.matched_blocks == held)
+                .count() as f64;
+            if let Some(end) = prefix_end(chain, held) {
+                let starts = self.starts.of(end, self.now_ms);
+                credit_copies(&mut scores, held, starts.per_second / holders);
+                if self.config.policy == Policy::Latency {
+                    let factor = self.config.latency.balance_factor;
+                    let per_holder = starts.count / holders;
+                    bound_busy_holders(
+                        &mut scores,
+                        held,
+                        per_holder,
+                        &self.recent,
+                        factor,
+                        self.now_ms,
+                    );
+                }
+            }
         }
         if second_request {
             keep_moves_among_head_holders(&mut scores, head);
@@ -766,6 +808,7 @@ impl<S: PrefixStore> Router<S> {
                 self.starts.record(h, self.now_ms);
             }
         }
+        self.recent.record(endpoint, self.now_ms);
         let new_blocks = decision.total_blocks.saturating_sub(
             decision
                 .scores
@@ -1134,6 +1177,53 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
     }
 }
 
+/// Sets aside, for a group's first request, each eligible endpoint that holds the request's
+/// prefix (the `held` blocks of the longest believed match) and has taken more than `factor`
+/// times the mean eligible endpoint's recent requests ([`RecentRequests`]), when the prefix is
+/// hot: it started [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
+/// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
+/// the same time constant) than the mean endpoint took requests, so it cannot fit on one
+/// endpoint's fair share. The request then goes where the prediction puts it among the
+/// others: to a copy of the prefix if one is believed anywhere, else it makes one. Some
+/// eligible endpoint is always left: the least busy one is at most the mean, and the factor is
+/// at least 1. Until the endpoints have taken a request each on average, shares say nothing (a
+/// start's first requests all go where its first prompt went) and nothing is set aside.
+///
+/// Why a bound on requests and not only the prediction: the prediction is a mean. At a holder
+/// that a hot prefix keeps busy half the time the mean wait is a few ms (3.5 measured against
+/// 2.7 predicted, on a tenant that turns hot after 5 s) while the tail is tens (its 95th
+/// percentile 22 ms), and a copy that evicts another tenant's prompt pays back in mean time
+/// only after ten seconds or more, so the prediction rightly never makes it, and the tail
+/// stays (TTFT p95 50.2 ms against the bound's 37.0). Capping a hot prefix's holders at a
+/// multiple of the mean share is consistent hashing with bounded loads (Mirrokni, Thorup and
+/// Zadimoghaddam; Envoy's `hash_balance_factor`), applied only to a prefix no single endpoint
+/// can serve at its fair share, so a prefix that fits on one (a RAG document among eight, a
+/// tenant among 24) is never copied for balance (docs/benchmarks.md).
+fn bound_busy_holders(
+    scores: &mut [EndpointScores],
+    held: usize,
+    starts_per_holder: f64,
+    recent: &RecentRequests,
+    factor: f64,
+    now_ms: f64,
+) {
+    let (mut n, mut total) = (0usize, 0.0);
+    for (e, _) in scores.iter().enumerate().filter(|(_, s)| !s.excluded) {
+        n += 1;
+        total += recent.count(e, now_ms);
+    }
+    let mean = total / n.max(1) as f64;
+    if factor <= 0.0 || mean < 1.0 || starts_per_holder <= RecentRequests::HOT_SHARE * mean {
+        return;
+    }
+    for (e, s) in scores.iter_mut().enumerate() {
+        if !s.excluded && s.matched_blocks == held && recent.count(e, now_ms) > factor * mean {
+            s.excluded = true;
+            s.over_share = true;
+        }
+    }
+}
+
 /// The block a believed match of `held` blocks of `chain` ends with: the key the copy credit
 /// counts a shared prefix by ([`PrefixRates`]).
 fn prefix_end(chain: &[u64], held: usize) -> Option<u64> {
@@ -1142,30 +1232,22 @@ fn prefix_end(chain: &[u64], held: usize) -> Option<u64> {
 
 /// Credits each eligible endpoint that holds less of the request's prefix than the best
 /// holder with what a copy there saves the requests queueing for the prefix at that holder
-/// ([`crate::latency::copy_credit_ms`]; `starts_per_s(held)`: how often requests start a group
-/// on the first `held` blocks, shared among the replicas that hold as many). The holder: the
-/// eligible endpoint with the longest believed match, the shortest queue among equals. Called
-/// for a group's first request only.
-fn credit_copies(scores: &mut [EndpointScores], starts_per_s: impl Fn(usize) -> f64) {
+/// ([`crate::latency::copy_credit_ms`]; `rate`: how often requests start a group on the
+/// `held` blocks the longest believed match holds, per endpoint holding them as far). The
+/// holder: among those, the shortest queue. Called for a group's first request only.
+fn credit_copies(scores: &mut [EndpointScores], held: usize, rate: f64) {
     let holder = scores
         .iter()
         .enumerate()
-        .filter(|(_, s)| !s.excluded && s.matched_blocks > 0)
-        .filter_map(|(i, s)| s.prediction.map(|p| (i, s.matched_blocks, p)))
-        .min_by(|a, b| b.1.cmp(&a.1).then(a.2.queue_ms.total_cmp(&b.2.queue_ms)));
-    let Some((h, held, at_holder)) = holder else {
+        .filter(|(_, s)| !s.excluded && s.matched_blocks == held)
+        .filter_map(|(i, s)| s.prediction.map(|p| (i, p)))
+        .min_by(|a, b| a.1.queue_ms.total_cmp(&b.1.queue_ms));
+    let Some((h, at_holder)) = holder else {
         return;
     };
     if at_holder.queue_ms <= 0.0 {
         return;
     }
-    // The prefix's requests spread over every replica that holds it as far.
-    let holders = scores
-        .iter()
-        .filter(|s| !s.excluded && s.matched_blocks == held)
-        .count()
-        .max(1);
-    let rate = starts_per_s(held) / holders as f64;
     for (i, s) in scores.iter_mut().enumerate() {
         if i == h || s.excluded || s.matched_blocks >= held {
             continue;
@@ -1867,6 +1949,86 @@ mod tests {
     }
 
     #[test]
+    fn a_hot_prefix_gets_a_second_holder_once_its_holder_took_over_twice_the_mean_share() {
+        let shared: String = (0..40).map(|i| format!("s{i} ")).collect();
+        let question = |i: usize| hashes(&format!("{shared}q{i} x{i} "));
+        let place = |factor: f64| {
+            let mut r = Router::new(
+                RouterConfig {
+                    policy: Policy::Latency,
+                    latency: crate::latency::LatencyConfig {
+                        balance_factor: factor,
+                        ..Default::default()
+                    },
+                    ..RouterConfig::default()
+                },
+                4,
+            );
+            let mut placed = Vec::new();
+            for i in 0..8 {
+                r.set_now(i as f64);
+                let h = question(i);
+                let d = r.pick(&h, &idle(4)).unwrap();
+                placed.push((d.endpoint, d.scores.iter().position(|s| s.over_share)));
+                r.commit(&d, &h).unwrap();
+            }
+            placed
+        };
+        let placed = place(2.0);
+        let home = placed[0].0;
+        // Idle replicas, so the prediction alone keeps every question where the prefix is. The
+        // first five stay: until the four endpoints have taken a request each on average
+        // (decayed a little, so not yet at the fifth), shares say nothing.
+        assert!(placed[..5].iter().all(|&p| p == (home, None)), "{placed:?}");
+        // The sixth: the holder took 5 of 5 requests (over twice the mean, 1.25), and the
+        // prefix started 4 groups there (over 1.5 times the mean): the holder is set aside and
+        // the question makes a copy elsewhere.
+        assert_eq!(placed[5].1, Some(home), "{placed:?}");
+        assert_ne!(placed[5].0, home);
+        // Off, nothing is set aside.
+        assert!(place(0.0).iter().all(|&p| p == (home, None)));
+    }
+
+    #[test]
+    fn a_busy_holder_is_set_aside_only_for_a_prefix_busier_than_a_fair_share() {
+        // Endpoint 0 took 8 of 14 recent requests (the mean is 3.5), and holds the prefix.
+        let mut recent = RecentRequests::new(4);
+        for (e, n) in [(0, 8), (1, 2), (2, 2), (3, 2)] {
+            for _ in 0..n {
+                recent.record(e, 0.0);
+            }
+        }
+        let scores = || {
+            let mut s = vec![seen(0, 400.0, false, true); 4];
+            s[0] = seen(10, 30.0, false, true);
+            s
+        };
+        let bounded = |starts_per_holder: f64, factor: f64, recent: &RecentRequests| {
+            let mut s = scores();
+            bound_busy_holders(&mut s, 10, starts_per_holder, recent, factor, 0.0);
+            assert_eq!(
+                excluded(&s),
+                s.iter().map(|s| s.over_share).collect::<Vec<_>>()
+            );
+            excluded(&s)
+        };
+        // The prefix started 6 groups there, over 1.5 × 3.5: set aside, 8 > 2 × 3.5.
+        assert_eq!(bounded(6.0, 2.0, &recent), [true, false, false, false]);
+        // 5 is under 1.5 × 3.5: it fits a fair share, the holder keeps it however busy.
+        assert_eq!(bounded(5.0, 2.0, &recent), [false; 4]);
+        // A factor of 3 allows 10.5: endpoint 0 is within it. 0 turns the bound off.
+        assert_eq!(bounded(6.0, 3.0, &recent), [false; 4]);
+        assert_eq!(bounded(6.0, 0.0, &recent), [false; 4]);
+        // An endpoint that holds less of the prefix is never set aside for it: here the busy
+        // one holds 4 of the 10 blocks endpoint 1 holds.
+        let mut s = scores();
+        s[0].matched_blocks = 4;
+        s[1].matched_blocks = 10;
+        bound_busy_holders(&mut s, 10, 6.0, &recent, 2.0, 0.0);
+        assert_eq!(excluded(&s), [false; 4]);
+    }
+
+    #[test]
     fn the_picker_skips_ineligible_endpoints_and_the_runner_up_is_the_best_other() {
         let mut r = router(Policy::LeastQueue, 3);
         let loads = [
@@ -1899,6 +2061,7 @@ mod tests {
             total: -cost_ms,
             excluded: !eligible,
             away_from_head: false,
+            over_share: false,
             saturated: false,
             prediction: Some(Prediction {
                 cost_ms,

@@ -536,6 +536,8 @@ function explain(view) {
   sc.forEach((x, i) => {
     if (x.away_from_head) {
       why.push(`${names[i]} was set aside: this is its group's second request, placed again now that the group is known to grow, and a group moves only to a replica that holds its shared head (anywhere else it would copy it).`);
+    } else if (x.over_share) {
+      why.push(`${names[i]} was set aside: it holds this request's prefix, which starts more groups than one replica's fair share, and it has taken more than ${cfg.router.latency.balance_factor} times the mean replica's recent requests; the prefix gets another copy (latency.balance_factor).`);
     } else if (x.excluded) {
       why.push(x.saturated
         ? `${names[i]} was set aside: saturated (${limits}) while another replica had room.`

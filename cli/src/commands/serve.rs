@@ -68,6 +68,10 @@ pub struct PluginArgs {
     /// how many do; 1 = one compute-bound batch from the start).
     #[arg(long, default_value_t = LatencyConfig::default().lanes)]
     prior_lanes: u32,
+    /// A prefix busier than one replica's fair share gets another copy once its holders have
+    /// taken more than this many times the mean replica's recent requests; 0 turns it off.
+    #[arg(long, default_value_t = LatencyConfig::default().balance_factor)]
+    balance_factor: f64,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Index capacity per endpoint, in blocks.
@@ -181,6 +185,7 @@ impl PluginArgs {
         config.latency.prefill_ms_per_token = self.prior_ms_per_token;
         config.latency.overhead_ms = self.overhead_ms;
         config.latency.lanes = self.prior_lanes;
+        config.latency.balance_factor = self.balance_factor;
         config.scrape.interval_ms = self.scrape_interval_ms;
         config.scrape.timeout_ms = self.scrape_timeout_ms;
         config.scrape.stale_after_ms = self.stale_after_ms;

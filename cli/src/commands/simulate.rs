@@ -51,6 +51,11 @@ pub struct Args {
     /// `latency.lanes`, `serve --prior-lanes`); it learns how many do, at most this many.
     #[arg(long, default_value_t = LatencyConfig::default().lanes)]
     prior_lanes: u32,
+    /// A prefix busier than one replica's fair share gets another copy once its holders have
+    /// taken more than this many times the mean replica's recent requests (the plugin's
+    /// `latency.balance_factor`); 0 turns the bound off.
+    #[arg(long, default_value_t = LatencyConfig::default().balance_factor)]
+    balance_factor: f64,
     #[arg(long, default_value_t = ReplicaTiming::default().decode_ms_per_token)]
     decode_ms_per_token: f64,
     /// Print the first N decisions of each policy.
@@ -223,6 +228,7 @@ pub fn run(args: Args) -> Result<()> {
     base.router.placement = args.placement;
     base.router.latency.prefill_ms_per_token = args.prior_ms_per_token;
     base.router.latency.lanes = args.prior_lanes;
+    base.router.latency.balance_factor = args.balance_factor;
     if let Some((pd, _, model)) = &split {
         if !args.fleet_events.is_empty() {
             bail!("--fleet-event is not supported with --prefill-replicas");
