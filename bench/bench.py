@@ -311,6 +311,7 @@ class Env:
         self.decode_ms = getattr(args, "decode_ms", 0.0)
         # Our routers are told the replicas' lanes instead of learning them.
         self.prior_lanes_from_fleet = getattr(args, "prior_lanes_from_fleet", False)
+        self.balance_factor = getattr(args, "balance_factor", None)
         self.venv_python = BENCH / ".venv" / "bin" / "python"
         self.workdir = workdir
         self.logs = workdir / "logs"
@@ -459,6 +460,8 @@ class Router:
                 argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
             if kind in PLUGIN and env.prior_lanes_from_fleet:
                 argv += ["--prior-lanes", fleet[0].lanes]
+            if kind in PLUGIN and env.balance_factor is not None:
+                argv += ["--balance-factor", env.balance_factor]
             self.proc = spawn(argv, log_path)
             wait_until(f"Envoy ({kind})",
                        lambda: http_get(f"http://127.0.0.1:{admin}/ready") == 200,
@@ -595,7 +598,8 @@ def run_sweep(env, scenarios, routers, costs, quick):
         make_trace(env, sc["trace"], requests, trace)
         results[key] = {"title": sc["title"], "scenario": sc, "requests": requests,
                         "decode_ms": env.decode_ms,
-                        "prior_lanes_from_fleet": env.prior_lanes_from_fleet, "costs": {}}
+                        "prior_lanes_from_fleet": env.prior_lanes_from_fleet,
+                        "balance_factor": env.balance_factor, "costs": {}}
         for cost in costs:
             rows = {}
             for kind in routers + ["upper"]:
@@ -625,6 +629,8 @@ def run_sim_sweep(env, scenarios, costs):
                     "--prefill-ms-per-token", cost]
             if env.prior_lanes_from_fleet:
                 argv += ["--prior-lanes", sc["lanes"]]
+            if env.balance_factor is not None:
+                argv += ["--balance-factor", env.balance_factor]
             r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                                timeout=600, check=True)
             results[key]["costs"][str(cost)] = json.loads(r.stdout)
@@ -711,7 +717,9 @@ def report_sweep(sweep):
                      f"{BLOCK_SIZE} tokens of cache, {sc['lanes']} lanes, prefill 5 ms + the cost "
                      f"below per uncached token, {decode_text(res.get('decode_ms', 0))}."
                      + (" Our routers are told the replicas' lanes (`--prior-lanes`)."
-                        if res.get("prior_lanes_from_fleet") else ""))
+                        if res.get("prior_lanes_from_fleet") else "")
+                     + (f" Our routers' `latency.balance_factor`: {res['balance_factor']:g}."
+                        if res.get("balance_factor") is not None else ""))
         lines.append("")
         head = "| router |" + "".join(f" hit @{c} | p95 @{c} | max/mean @{c} |" for c in costs)
         lines.append(head)
@@ -1229,6 +1237,10 @@ def main():
                         "plugin's `latency.lanes`; `simulate --prior-lanes` in the simulator "
                         "sweep), as an operator who knows how many sequences a replica "
                         "prefills at once would; by default they learn it")
+    p.add_argument("--balance-factor", type=float, default=None,
+                   help="our routers' `latency.balance_factor` (`serve`/`simulate "
+                        "--balance-factor`; 0 turns a hot prefix's bounded share off); by "
+                        "default theirs (2)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="cache traces to run (default: all)")
     p.add_argument("--routers", default=",".join(CACHE_ROUTERS),
