@@ -42,7 +42,7 @@ pub struct EndpointScores {
     #[serde(default)]
     pub away_from_head: bool,
     /// Set aside for a group's first request under `latency`: the endpoint holds the request's
-    /// prefix, which is busier than one endpoint's fair share, and has taken more than
+    /// prefix, which is hotter than one endpoint's fair share, and has taken more than
     /// `latency.balance_factor` times the mean endpoint's recent requests (see
     /// `bound_busy_holders`).
     #[serde(default)]
@@ -540,7 +540,8 @@ impl<S: PrefixStore> Router<S> {
         let continued = continued_turn(&matches, &filter.eligible);
         let scores = self.score(hashes, &matches, loads, &filter, cold, continued);
         // What the policy may choose from: the eligible endpoints, less those the scoring set
-        // aside (a second request's moves, see `keep_moves_among_head_holders`).
+        // aside (a second request's moves, see `keep_moves_among_head_holders`; a hot prefix's
+        // busy holders, see `bound_busy_holders`).
         let set_aside = scores.iter().any(|s| s.away_from_head || s.over_share);
         let narrowed: Vec<bool>;
         let choosable = if set_aside {
