@@ -357,6 +357,17 @@ def ab_setup(args, tag):
     return plugins, env
 
 
+def our_router_flags(env, lanes):
+    """The flags `serve` and `simulate` share that `--prior-lanes-from-fleet` and
+    `--balance-factor` give our routers (`lanes`: the replicas')."""
+    flags = []
+    if env.prior_lanes_from_fleet:
+        flags += ["--prior-lanes", lanes]
+    if env.balance_factor is not None:
+        flags += ["--balance-factor", env.balance_factor]
+    return flags
+
+
 class FakeReplica:
     def __init__(self, env, name, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
         self.name = name
@@ -458,10 +469,8 @@ class Router:
                     "--concurrency", ENVOY_CONCURRENCY]
             for r in fleet:
                 argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
-            if kind in PLUGIN and env.prior_lanes_from_fleet:
-                argv += ["--prior-lanes", fleet[0].lanes]
-            if kind in PLUGIN and env.balance_factor is not None:
-                argv += ["--balance-factor", env.balance_factor]
+            if kind in PLUGIN:
+                argv += our_router_flags(env, fleet[0].lanes)
             self.proc = spawn(argv, log_path)
             wait_until(f"Envoy ({kind})",
                        lambda: http_get(f"http://127.0.0.1:{admin}/ready") == 200,
@@ -627,10 +636,7 @@ def run_sim_sweep(env, scenarios, costs):
                     "--cache-blocks", sc["kv_blocks"], "--slots", sc["lanes"],
                     "--block-size", BLOCK_SIZE, "--decode-ms-per-token", env.decode_ms,
                     "--prefill-ms-per-token", cost]
-            if env.prior_lanes_from_fleet:
-                argv += ["--prior-lanes", sc["lanes"]]
-            if env.balance_factor is not None:
-                argv += ["--balance-factor", env.balance_factor]
+            argv += our_router_flags(env, sc["lanes"])
             r = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                                timeout=600, check=True)
             results[key]["costs"][str(cost)] = json.loads(r.stdout)

@@ -345,22 +345,31 @@ enum FeedChange {
     Evicted(u64),
 }
 
-/// When gateway `g` of `count` next fetches the feed after `now_ms`: every `interval` ms,
-/// the gateways' fetches spread evenly over it; at once with no interval.
+/// Gateway `g` of `count` acts every `interval` ms (> 0), the gateways' phases spread evenly
+/// over it, as independent Envoys' timers are: its first tick, and its latest tick at or
+/// before `now_ms` on that grid (before the first one when `now_ms` is).
+fn ticks(now_ms: f64, interval: f64, g: usize, count: usize) -> (f64, f64) {
+    let phase = interval * g as f64 / count as f64;
+    (
+        phase,
+        phase + ((now_ms - phase) / interval).floor() * interval,
+    )
+}
+
+/// When gateway `g` of `count` next fetches the feed after `now_ms` ([`ticks`]); at once with
+/// no interval.
 fn next_fetch_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> f64 {
     if interval <= 0.0 {
         return now_ms;
     }
-    let phase = interval * g as f64 / count as f64;
-    let k = ((now_ms - phase) / interval).floor() + 1.0;
-    phase + k.max(0.0) * interval
+    let (first, last) = ticks(now_ms, interval, g, count);
+    (last + interval).max(first)
 }
 
-/// When gateway `g` of `count` last scraped by `now_ms`: every `interval` ms, the gateways'
-/// scrapes spread evenly over it; `None` before its first.
+/// When gateway `g` of `count` last scraped by `now_ms` ([`ticks`]); `None` before its first.
 fn last_scrape_ms(now_ms: f64, interval: f64, g: usize, count: usize) -> Option<f64> {
-    let phase = interval * g as f64 / count as f64;
-    (now_ms >= phase).then(|| phase + ((now_ms - phase) / interval).floor() * interval)
+    let (first, last) = ticks(now_ms, interval, g, count);
+    (now_ms >= first).then_some(last)
 }
 
 /// A run in progress.
