@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -242,6 +243,7 @@ def main():
                 print(f"  {gateways} gateway(s), {index}: {rows[-1]}", file=sys.stderr)
     finally:
         stop_all()
+    shutil.rmtree(work, ignore_errors=True)  # kept (logs, configurations) only when a run failed
     print(f"{REPLICAS} fake replicas ({KV_BLOCKS} blocks of 16 tokens each), "
           f"`prefixroute trace {' '.join(TRACE)} --requests {args.requests}`, policy {POLICY}, "
           f"placement {PLACEMENT}, "

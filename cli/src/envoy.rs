@@ -375,7 +375,7 @@ impl EnvoyProcess {
         let log_path = work_dir.join("envoy.log");
         let log = std::fs::File::create(&log_path)?;
         let child = Command::new(envoy)
-            .args(envoy_args(&config_path, concurrency))
+            .args(envoy_args(Bootstrap::File(&config_path), concurrency))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -425,12 +425,25 @@ impl Drop for EnvoyProcess {
     }
 }
 
-/// The Envoy command line for a configuration file. Hot restart is off so several Envoys
-/// (one per compared policy, or a user's own) can run side by side.
-pub fn envoy_args(config_path: &Path, concurrency: usize) -> Vec<String> {
+/// Where Envoy reads its bootstrap configuration from.
+pub enum Bootstrap<'a> {
+    /// A file (`-c`): kept beside the Envoy log of a process this CLI runs and removes.
+    File(&'a Path),
+    /// The YAML itself (`--config-yaml`): for an Envoy that replaces this process
+    /// (`prefixroute serve`), which leaves nothing behind to remove a file afterwards.
+    Inline(&'a str),
+}
+
+/// The Envoy command line for a configuration. Hot restart is off so several Envoys (one per
+/// compared policy, or a user's own) can run side by side.
+pub fn envoy_args(bootstrap: Bootstrap, concurrency: usize) -> Vec<String> {
+    let (flag, value) = match bootstrap {
+        Bootstrap::File(path) => ("-c", path.display().to_string()),
+        Bootstrap::Inline(yaml) => ("--config-yaml", yaml.to_string()),
+    };
     vec![
-        "-c".into(),
-        config_path.display().to_string(),
+        flag.into(),
+        value,
         "--concurrency".into(),
         concurrency.to_string(),
         "--disable-hot-restart".into(),

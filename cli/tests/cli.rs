@@ -1,5 +1,7 @@
 //! The `prefixroute` binary as a user runs it.
 
+mod support;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -19,9 +21,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("prefixroute-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    support::scratch_dir("cli").join(name)
 }
 
 #[test]

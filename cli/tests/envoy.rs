@@ -260,6 +260,26 @@ fn a_client_supplied_destination_header_is_overwritten() {
     assert_eq!(served.len(), 2, "{served:?}");
 }
 
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn serve_leaves_no_files_in_the_temp_dir() {
+    // `serve` execs Envoy, so nothing would be left to remove a configuration file it wrote.
+    let replica = FakeServer::start("replica-0", &[]);
+    let envoy = serve(&[&replica], &[]);
+    let reply = support::http(
+        envoy.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat(0, 1)),
+    );
+    assert_eq!(reply.status, 200);
+    let left: Vec<_> = std::fs::read_dir(&envoy.tmpdir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert!(left.is_empty(), "serve left {left:?}");
+}
+
 fn envoy_validates(config: &std::path::Path) {
     let envoy = std::env::var("ENVOY")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/envoy").to_string());

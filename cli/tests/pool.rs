@@ -1,6 +1,8 @@
 //! `prefixroute pool` as a user runs it: exit codes, the API server's wording, the report, and
 //! the `--args` / `--config` outputs.
 
+mod support;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -20,9 +22,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn write(name: &str, contents: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("prefixroute-pool-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
+    let path = support::scratch_dir("pool").join(name);
     std::fs::write(&path, contents).unwrap();
     path
 }

@@ -190,11 +190,16 @@ fn run_policy(args: &Args, policy: &str, trace: &[TraceRecord], label: &str) -> 
             envoy.log_path.display()
         )
     })?;
-    Ok(Row {
+    let row = Row {
         policy: policy.to_string(),
         summary,
         plugin_stats: plugin_stats(&envoy),
-    })
+    };
+    // The configuration and Envoy's log are kept only when the run failed (the error names
+    // the log); a finished run removes them.
+    drop(envoy);
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(row)
 }
 
 fn render(rows: &[Row], replicas: usize) -> String {

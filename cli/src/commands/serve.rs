@@ -250,26 +250,28 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     let envoy_bin = envoy::find_envoy(args.envoy.as_deref())?;
-    let dir = std::env::temp_dir().join(format!("prefixroute-serve-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let config_path = dir.join("envoy.yaml");
-    std::fs::write(&config_path, envoy::bootstrap_yaml(&setup)?)?;
+    let bootstrap = envoy::bootstrap_yaml(&setup)?;
     let pool = match &setup.pool {
         Pool::Static(endpoints) => format!("{} endpoints", endpoints.len()),
         Pool::EdsFile(path) => format!("the pool in {}", path.display()),
     };
     eprintln!(
-        "prefixroute serve: {} ({}) on http://{} with {pool}; admin http://{}; config {}",
+        "prefixroute serve: {} ({}) on http://{} with {pool}; admin http://{}; \
+         the same command with --print-config prints Envoy's configuration",
         args.policy,
         envoy_bin.display(),
         args.listen,
         args.admin,
-        config_path.display()
     );
     // Envoy runs in the foreground in place of this process, so signals reach it directly.
+    // Its configuration goes on its command line: a file written here would outlive the
+    // process with no one left to remove it (one directory per run in the temp dir).
     use std::os::unix::process::CommandExt;
     let err = std::process::Command::new(&envoy_bin)
-        .args(envoy::envoy_args(&config_path, args.concurrency))
+        .args(envoy::envoy_args(
+            envoy::Bootstrap::Inline(&bootstrap),
+            args.concurrency,
+        ))
         .exec();
     Err(err).with_context(|| format!("cannot run {}", envoy_bin.display()))
 }

@@ -187,11 +187,22 @@ fn dechunk(mut rest: &str) -> String {
     }
 }
 
-/// A fresh scratch directory for this test binary.
-pub fn temp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("prefixroute-http-{}", std::process::id()));
+/// A scratch directory for the test binary `kind`, inside cargo's `CARGO_TARGET_TMPDIR` (the
+/// target directory's `tmp`, so test runs leave nothing in the system's temp dir), emptied the
+/// first time this process asks for it.
+pub fn scratch_dir(kind: &str) -> std::path::PathBuf {
+    static FRESH: std::sync::Once = std::sync::Once::new();
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(kind);
+    FRESH.call_once(|| {
+        let _ = std::fs::remove_dir_all(&dir);
+    });
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    dir
+}
+
+/// A path in this test binary's scratch directory.
+pub fn temp(name: &str) -> std::path::PathBuf {
+    scratch_dir("http").join(name)
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released).
@@ -220,6 +231,9 @@ pub struct Served {
     pub admin: u16,
     /// Envoy's output.
     pub log: std::path::PathBuf,
+    /// The temp dir (`TMPDIR`) `prefixroute serve` and its Envoy were given, empty when they
+    /// started.
+    pub tmpdir: std::path::PathBuf,
 }
 
 /// Starts `prefixroute serve --listen … --admin … ARGS` and waits until Envoy is ready.
@@ -227,7 +241,10 @@ pub fn serve<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Served {
     let (port, admin) = (free_port(), free_port());
     let log = temp(&format!("envoy-{port}.log"));
     let file = std::fs::File::create(&log).unwrap();
+    let tmpdir = temp(&format!("tmp-{port}"));
+    std::fs::create_dir_all(&tmpdir).unwrap();
     let child = Command::new(BIN)
+        .env("TMPDIR", &tmpdir)
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--admin", &format!("127.0.0.1:{admin}")])
         .args(args)
@@ -241,6 +258,7 @@ pub fn serve<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Served {
         port,
         admin,
         log,
+        tmpdir,
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     while !(TcpStream::connect(("127.0.0.1", admin)).is_ok()
