@@ -45,6 +45,53 @@ pub struct EnvoySetup {
     pub wasm_path: PathBuf,
     /// `index: precise`: where `prefixroute kv-events` serves its feed.
     pub kv_relay: Option<SocketAddr>,
+    /// Where Envoy writes an access log line per request ([`access_log`]), if anywhere.
+    pub access_log: Option<PathBuf>,
+}
+
+/// An access log line per request, JSON: what a request was and where it went (the plugin's
+/// choice from its `x-prefixroute-*` response headers), and where its time went, in
+/// microseconds, from Envoy's stream timestamps:
+/// - `request_us`: receiving the request, its first byte to its last;
+/// - `routing_us`: from the request's last byte to the first byte sent upstream: the filters
+///   (the plugin's routing decision, which waits for the whole body) and the upstream
+///   connection;
+/// - `upstream_us`: sent upstream → the upstream's response headers (the server's time: with
+///   a whole answer, its prefill and decode);
+/// - `response_headers_us`: the upstream's response headers → the first byte sent downstream
+///   (the filters' response-header callbacks);
+/// - `response_us`: the upstream's response, first byte to last (its body's callbacks too);
+/// - `total_us`: the request's first byte to the response's last.
+///
+/// `bench/gateway_time.py` compares these between Envoy's own balancer, a wasm filter that
+/// does nothing but hold the body, and the plugin.
+fn access_log(path: &Path) -> Value {
+    let span = |from: &str, to: &str| format!("%COMMON_DURATION({from}:{to}:us)%");
+    json!([{
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path.display().to_string(),
+            "log_format": {"json_format": {
+                "start": "%START_TIME%",
+                "method": "%REQ(:METHOD)%",
+                "path": "%REQ(:PATH)%",
+                "status": "%RESPONSE_CODE%",
+                "flags": "%RESPONSE_FLAGS%",
+                "upstream": "%UPSTREAM_HOST%",
+                "endpoint": "%RESP(X-PREFIXROUTE-ENDPOINT)%",
+                "policy": "%RESP(X-PREFIXROUTE-POLICY)%",
+                "bytes_received": "%BYTES_RECEIVED%",
+                "bytes_sent": "%BYTES_SENT%",
+                "request_us": span("DS_RX_BEG", "DS_RX_END"),
+                "routing_us": span("DS_RX_END", "US_TX_BEG"),
+                "upstream_us": span("US_TX_BEG", "US_RX_BEG"),
+                "response_headers_us": span("US_RX_BEG", "DS_TX_BEG"),
+                "response_us": span("US_RX_BEG", "US_RX_END"),
+                "total_us": span("DS_RX_BEG", "DS_TX_END"),
+            }},
+        },
+    }])
 }
 
 pub const POOL_CLUSTER: &str = "prefixroute_pool";
@@ -225,6 +272,23 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
     }));
     // The plugin buffers bodies up to max_body_bytes; Envoy must allow at least that much.
     let buffer_limit = (setup.plugin.max_body_bytes + (1 << 20)).max(1 << 20);
+    let mut manager = json!({
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "llm",
+        "route_config": {"virtual_hosts": [{
+            "name": "llm",
+            "domains": ["*"],
+            "routes": [{"match": {"prefix": "/"}, "route": {
+                "cluster": POOL_CLUSTER,
+                "timeout": "300s",
+                "retry_policy": retry_policy(setup.plugin.failover),
+            }}],
+        }]},
+        "http_filters": http_filters,
+    });
+    if let Some(path) = &setup.access_log {
+        manager["access_log"] = access_log(path);
+    }
     Ok(json!({
         // File-based EDS needs a node identity.
         "node": {"id": "prefixroute", "cluster": "prefixroute"},
@@ -236,20 +300,7 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
                 "per_connection_buffer_limit_bytes": buffer_limit,
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "llm",
-                        "route_config": {"virtual_hosts": [{
-                            "name": "llm",
-                            "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {
-                                "cluster": POOL_CLUSTER,
-                                "timeout": "300s",
-                                "retry_policy": retry_policy(setup.plugin.failover),
-                            }}],
-                        }]},
-                        "http_filters": http_filters,
-                    },
+                    "typed_config": manager,
                 }]}],
             }],
             "clusters": clusters,
@@ -533,6 +584,7 @@ mod tests {
             pool: Pool::Static(endpoints()),
             wasm_path: "/x/prefixroute_plugin.wasm".into(),
             kv_relay: None,
+            access_log: None,
         }
     }
 

@@ -280,6 +280,75 @@ fn serve_leaves_no_files_in_the_temp_dir() {
     assert!(left.is_empty(), "serve left {left:?}");
 }
 
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn the_access_log_names_each_requests_endpoint_and_where_its_time_went() {
+    let replicas: Vec<FakeServer> = (0..2)
+        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .collect();
+    let refs: Vec<&FakeServer> = replicas.iter().collect();
+    let log = temp("access.log");
+    let _ = std::fs::remove_file(&log);
+    let mut extra = FAST_SCRAPES.to_vec();
+    extra.extend(["--access-log", log.to_str().unwrap()]);
+    let envoy = serve(&refs, &extra);
+    // What each answer's headers said: the policy that routed it (`fallback` until the
+    // plugin has discovered the pool) and the endpoint it chose.
+    let mut chosen = Vec::new();
+    for tenant in 0..12 {
+        let body = chat(tenant, 1);
+        let reply = support::http(envoy.port, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(reply.status, 200);
+        let header = |name| reply.header(name).unwrap_or_default().to_string();
+        chosen.push((
+            header("x-prefixroute-policy"),
+            header("x-prefixroute-endpoint"),
+        ));
+    }
+    let routed = chosen
+        .iter()
+        .filter(|(policy, _)| policy == "latency")
+        .count();
+    assert!(routed >= 6, "{chosen:?}");
+    // Envoy writes its access log from a buffer it flushes about every second.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let lines: Vec<Value> = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        if lines.len() >= chosen.len() || std::time::Instant::now() > deadline {
+            break lines;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let text = |line: &Value, field: &str| line[field].as_str().unwrap_or_default().to_string();
+    let logged: Vec<(String, String)> = lines
+        .iter()
+        .map(|l| (text(l, "policy"), text(l, "endpoint")))
+        .collect();
+    assert_eq!(logged, chosen);
+    for line in &lines {
+        assert_eq!(line["path"], "/v1/chat/completions", "{line}");
+        let us = |field: &str| {
+            line[field]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{field} is not a number: {line}"))
+        };
+        let total = us("total_us");
+        for part in [
+            "request_us",
+            "routing_us",
+            "upstream_us",
+            "response_headers_us",
+            "response_us",
+        ] {
+            assert!(us(part) <= total, "{part} > total_us: {line}");
+        }
+    }
+}
+
 fn envoy_validates(config: &std::path::Path) {
     let envoy = std::env::var("ENVOY")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/envoy").to_string());

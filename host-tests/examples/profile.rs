@@ -1,6 +1,7 @@
 //! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
-//! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per token. Cold: each
+//! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per
+//! token, then per request in each callback (`proxy_on_request_body` is the routing decision). Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -73,11 +74,15 @@ fn run() -> Result<(), String> {
         bodies.push(body);
     }
     let mut fuel = 0u64;
+    let mut by_callback: std::collections::BTreeMap<&str, u64> = Default::default();
     for body in &bodies {
         let rt = vm
             .round_trip(&Request::chat(body.clone()))
             .map_err(|e| format!("{e:#}"))?;
         fuel += rt.costs.total.fuel;
+        for (callback, costs) in &rt.costs.by_callback {
+            *by_callback.entry(callback).or_default() += costs.fuel;
+        }
         host.clock().advance_ms(1);
     }
     if let Some(why) = vm.trapped() {
@@ -92,5 +97,8 @@ fn run() -> Result<(), String> {
         fuel / n,
         fuel as f64 / routed_tokens.max(1) as f64,
     );
+    for (callback, callback_fuel) in by_callback {
+        println!("  {callback}: {} per request", callback_fuel / n);
+    }
     Ok(())
 }

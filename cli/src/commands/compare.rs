@@ -158,6 +158,7 @@ fn run_policy(args: &Args, policy: &str, trace: &[TraceRecord], label: &str) -> 
         kv_relay: args.plugin.kv_relay()?,
         plugin,
         pool: envoy::Pool::Static(endpoints),
+        access_log: None,
     };
     let work = std::env::temp_dir().join(format!(
         "prefixroute-compare-{}-{policy}",

@@ -1,5 +1,5 @@
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use prefixroute_core::config::{
@@ -50,6 +50,11 @@ pub struct Args {
     /// Print the Envoy configuration and exit.
     #[arg(long)]
     print_config: bool,
+    /// Have Envoy write an access log line per request to PATH (JSON: the request, the
+    /// endpoint the plugin chose, and where its time went in microseconds: receiving it,
+    /// routing it, the server, the response).
+    #[arg(long, value_name = "PATH")]
+    access_log: Option<PathBuf>,
 }
 
 /// The plugin's options (its JSON configuration, flag by flag).
@@ -214,6 +219,21 @@ pub fn endpoints(specs: &[String]) -> Result<Vec<EndpointConfig>> {
     specs.iter().map(|e| envoy::parse_endpoint(e)).collect()
 }
 
+/// `--access-log`, absolute (Envoy runs from anywhere) and in a directory that exists (Envoy
+/// would refuse to start, with a message about its configuration, not about this flag).
+fn access_log_path(path: &Path) -> Result<PathBuf> {
+    let path =
+        std::path::absolute(path).with_context(|| format!("--access-log {}", path.display()))?;
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    anyhow::ensure!(
+        dir.is_dir(),
+        "--access-log {}: no such directory {}",
+        path.display(),
+        dir.display()
+    );
+    Ok(path)
+}
+
 pub fn run(args: Args) -> Result<()> {
     let (balancer, policy) = balancer_for(&args.policy)?;
     let endpoints = endpoints(&args.endpoints)?;
@@ -244,6 +264,11 @@ pub fn run(args: Args) -> Result<()> {
         plugin,
         pool,
         wasm_path,
+        access_log: args
+            .access_log
+            .as_deref()
+            .map(access_log_path)
+            .transpose()?,
     };
     if args.print_config {
         print!("{}", envoy::bootstrap_yaml(&setup)?);
