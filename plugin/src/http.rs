@@ -251,7 +251,10 @@ impl HttpContext for Filter {
                 self.count(Event::HeaderError);
             }
         };
-        put("x-prefixroute-endpoint", &name);
+        // No name: the pool was empty (none discovered yet) and Envoy's fallback_policy chose.
+        if !name.is_empty() {
+            put("x-prefixroute-endpoint", &name);
+        }
         match choice.route {
             Route::Routed {
                 policy,

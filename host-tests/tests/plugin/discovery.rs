@@ -84,6 +84,12 @@ fn requests_go_to_the_discovered_members_and_follow_their_changes() {
         .unwrap();
     assert!(rt.exchange.upstream_values(common::DEST).is_empty());
     assert_eq!(host.stats().value("prefixroute.fallback.no_endpoints"), 1);
+    // The answer says so, and names no endpoint (the plugin chose none).
+    assert_eq!(
+        rt.response_header("x-prefixroute-fallback").as_deref(),
+        Some("no_endpoints")
+    );
+    assert_eq!(rt.response_header("x-prefixroute-endpoint"), None);
 
     assert!(tick(&mut vm, &CalloutReply::ok(admin_page(&[0, 1, 2]))));
     assert_eq!(host.stats().value("prefixroute.pool.members"), 3);
