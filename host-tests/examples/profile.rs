@@ -1,7 +1,10 @@
-//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS]`:
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
 //! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per
-//! token, then per request in each callback (`proxy_on_request_body` is the routing decision). Cold: each
+//! token, then per request in each callback (`proxy_on_request_body` is the routing decision)
+//! with the last request's host calls. GAP_MS (default 1) is the clock's step between requests:
+//! a worker that routes a request every 130 ms (a sweep's load on two workers) no longer
+//! carries the endpoint records it read (`CARRY_MS`) and reads them again. Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -54,6 +57,12 @@ fn run() -> Result<(), String> {
             .ok_or_else(|| format!("ENDPOINTS must be a number above 0, not {n:?}"))?,
         None => 3,
     };
+    let gap_ms: u64 = match args.get(4) {
+        Some(g) => g
+            .parse()
+            .map_err(|_| format!("GAP_MS must be a number, not {g:?}"))?,
+        None => 1,
+    };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
     let mut vm = host
@@ -74,16 +83,18 @@ fn run() -> Result<(), String> {
         bodies.push(body);
     }
     let mut fuel = 0u64;
-    let mut by_callback: std::collections::BTreeMap<&str, u64> = Default::default();
+    let mut by_callback: std::collections::BTreeMap<&str, (u64, String)> = Default::default();
     for body in &bodies {
         let rt = vm
             .round_trip(&Request::chat(body.clone()))
             .map_err(|e| format!("{e:#}"))?;
         fuel += rt.costs.total.fuel;
         for (callback, costs) in &rt.costs.by_callback {
-            *by_callback.entry(callback).or_default() += costs.fuel;
+            let entry = by_callback.entry(callback).or_default();
+            entry.0 += costs.fuel;
+            entry.1 = format!("{:?}", costs.host_calls);
         }
-        host.clock().advance_ms(1);
+        host.clock().advance_ms(gap_ms);
     }
     if let Some(why) = vm.trapped() {
         return Err(format!("the plugin trapped: {why}"));
@@ -97,8 +108,11 @@ fn run() -> Result<(), String> {
         fuel / n,
         fuel as f64 / routed_tokens.max(1) as f64,
     );
-    for (callback, callback_fuel) in by_callback {
-        println!("  {callback}: {} per request", callback_fuel / n);
+    for (callback, (callback_fuel, last_calls)) in by_callback {
+        println!(
+            "  {callback}: {} per request; {last_calls}",
+            callback_fuel / n
+        );
     }
     Ok(())
 }
