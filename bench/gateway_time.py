@@ -37,31 +37,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench  # noqa: E402  (the orchestrator's process helpers and sweep scenarios)
-import cpu_ab  # noqa: E402  (the floor filter's build)
+import cpu_ab  # noqa: E402  (the floor filter's build; `prefixroute serve` in front of a fleet)
 
 PHASES = ["routing_us", "response_headers_us", "response_us"]
 
 
-class Gateway(bench.Router):
-    """`prefixroute serve` with a .wasm (or none) and an access log, in front of `fleet`."""
-
-    def __init__(self, env, kind, name, fleet, tag, policy, extra=()):
-        self.kind, self.name = kind, name
-        self.admin = bench.free_port()
-        port = bench.free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.access_log = env.logs / f"{tag}-{name}.access.log"
-        log_path = env.log_path(f"{tag}-{name}")
-        argv = [env.prefixroute, "serve", "--policy", policy, "--listen", f"127.0.0.1:{port}",
-                "--admin", f"127.0.0.1:{self.admin}", "--envoy", env.envoy,
-                "--concurrency", bench.ENVOY_CONCURRENCY, "--access-log", self.access_log,
-                *extra]
-        for r in fleet:
-            argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
-        self.proc = bench.spawn(argv, log_path)
-        bench.wait_until(f"Envoy ({name})",
-                         lambda: bench.http_get(f"http://127.0.0.1:{self.admin}/ready") == 200,
-                         self.proc, 30, log_path)
+def gateway(env, name, fleet, tag, policy, wasm=None, extra=()):
+    """`prefixroute serve` (cpu_ab's) with `wasm` (or none) and an access log."""
+    access_log = env.logs / f"{tag}-{name}.access.log"
+    router = cpu_ab.Served(env, name, fleet, wasm, policy, ["--access-log", access_log, *extra])
+    router.access_log = access_log
+    return router
 
 
 def percentile(values, p):
@@ -101,13 +87,12 @@ def run(env, kind, sc, trace, requests, cost, floor_wasm, wasm=None):
     router = None
     try:
         if kind == "envoy-lr":
-            router = Gateway(env, kind, kind, fleet, tag, "least-request")
+            router = gateway(env, kind, fleet, tag, "least-request")
         elif kind == "floor":
-            router = Gateway(env, "latency", kind, fleet, tag, "latency",
-                             ["--plugin-wasm", floor_wasm, "--static-pool"])
+            router = gateway(env, kind, fleet, tag, "latency", floor_wasm, ["--static-pool"])
         elif wasm is not None:
-            router = Gateway(env, "latency", kind, fleet, tag, "latency",
-                             ["--plugin-wasm", wasm, *bench.our_router_flags(env, lanes)])
+            router = gateway(env, kind, fleet, tag, "latency", wasm,
+                             bench.our_router_flags(env, lanes))
         else:
             router = bench.Router(env, "direct" if kind == "upper" else kind, fleet, tag)
         if wasm is not None or kind == "floor":
@@ -115,7 +100,7 @@ def run(env, kind, sc, trace, requests, cost, floor_wasm, wasm=None):
             time.sleep(2.5)
         bench.replay(env, trace, router.url, fleet, span * 3 + 180, tag)
         out = {"client_ms": client_side(env.logs / f"{tag}.requests.jsonl", cost)}
-        if isinstance(router, Gateway):
+        if hasattr(router, "access_log"):
             out["envoy_us"] = envoy_side(router.access_log)
         return out
     finally:
