@@ -478,7 +478,8 @@ impl Drop for EnvoyProcess {
 
 /// Where Envoy reads its bootstrap configuration from.
 pub enum Bootstrap<'a> {
-    /// A file (`-c`): kept beside the Envoy log of a process this CLI runs and removes.
+    /// A file (`-c`): for an Envoy this CLI runs as its child ([`EnvoyProcess`]), whose
+    /// work directory holds the file and the log.
     File(&'a Path),
     /// The YAML itself (`--config-yaml`): for an Envoy that replaces this process
     /// (`prefixroute serve`), which leaves nothing behind to remove a file afterwards.
@@ -639,6 +640,26 @@ mod tests {
             .map(|c| c["name"].as_str().unwrap())
             .collect();
         assert_eq!(names, [POOL_CLUSTER, "prefixroute_metrics"]);
+    }
+
+    #[test]
+    fn an_access_log_is_written_only_when_asked_for() {
+        let manager = |setup: &EnvoySetup| {
+            bootstrap(setup).unwrap()["static_resources"]["listeners"][0]["filter_chains"][0]
+                ["filters"][0]["typed_config"]
+                .clone()
+        };
+        let mut with_log = setup(Balancer::Plugin);
+        assert!(manager(&with_log).get("access_log").is_none());
+        with_log.access_log = Some("/var/log/prefixroute/access.log".into());
+        let log = &manager(&with_log)["access_log"][0]["typed_config"];
+        assert_eq!(log["path"], "/var/log/prefixroute/access.log");
+        let fields = &log["log_format"]["json_format"];
+        assert_eq!(fields["endpoint"], "%RESP(X-PREFIXROUTE-ENDPOINT)%");
+        assert_eq!(
+            fields["routing_us"],
+            "%COMMON_DURATION(DS_RX_END:US_TX_BEG:us)%"
+        );
     }
 
     #[test]
