@@ -534,6 +534,26 @@ def replay(env, trace, url, fleet, timeout_s, tag):
     return json.loads(r.stdout)
 
 
+def percentile(values, p):
+    """The value below which a share `p` of `values` lie (nearest rank), or None."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * len(values)))] if values else None
+
+
+def besides_prefill(requests_path, per_token_ms):
+    """Each answered request's TTFT less its uncached tokens × the prefill cost, ms: what the
+    gateway, the connections, the replica's fixed overhead and any queue added to it. Two
+    routers that send the same misses differ here by their own time and their queues."""
+    out = []
+    with open(requests_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("error") is None and r.get("ttft_ms") is not None:
+                uncached = r["prompt_tokens"] - r["cached_tokens"]
+                out.append(r["ttft_ms"] - uncached * per_token_ms)
+    return out
+
+
 def max_over_mean(counts):
     mean = sum(counts) / len(counts) if counts else 0
     return max(counts) / mean if mean > 0 else None
@@ -590,6 +610,9 @@ def run_one(env, kind, sc, trace, requests, per_token_ms, tag):
         row = summarize_replay(summary, [r.name for r in fleet], bool(env.decode_ms))
         row["wall_s"] = time.monotonic() - t0
         row["plugin_stats"] = router.plugin_stats()
+        extra = besides_prefill(env.logs / f"{tag}-{kind}.requests.jsonl", float(per_token_ms))
+        row["besides_prefill_p50_ms"] = percentile(extra, 0.5)
+        row["besides_prefill_p95_ms"] = percentile(extra, 0.95)
         return row
     finally:
         if router is not None:
@@ -728,8 +751,8 @@ def report_sweep(sweep):
                         if res.get("balance_factor") is not None else ""))
         lines.append("")
         head = "| router |" + "".join(f" hit @{c} | p95 @{c} | max/mean @{c} |" for c in costs)
-        lines.append(head)
-        lines.append("|---|" + "---:|---:|---:|" * len(costs))
+        lines.append(head + " besides prefill p50 / p95 @" + costs[-1] + " |")
+        lines.append("|---|" + "---:|---:|---:|" * len(costs) + "---:|")
         kinds = [k for k in list(res["costs"][costs[0]]) if k != "upper"] + ["upper"]
         for kind in kinds:
             cells = []
@@ -740,9 +763,16 @@ def report_sweep(sweep):
                     continue
                 mm = "-" if kind == "upper" else fmt_ratio(row["max_mean"])
                 cells.append(f" {fmt_pct(row['hit_rate'])} | {fmt_ms(row['p95_ms'])} | {mm} |")
+            last = res["costs"][costs[-1]].get(kind) or {}
+            p50, p95 = last.get("besides_prefill_p50_ms"), last.get("besides_prefill_p95_ms")
+            cells.append(f" {fmt_ms(p50, 2)} / {fmt_ms(p95, 2)} |" if p50 is not None else " - |")
             name = LABEL[kind] + (" (ours)" if kind in OURS else "")
             lines.append(f"| {name} |" + "".join(cells))
         lines.append("")
+    lines.append("\"Besides prefill\": each request's TTFT less its uncached tokens × the cost "
+                 "(the replica's 5 ms, the gateway's own time, any queue), at the last cost; "
+                 "`bench/gateway_time.py` takes the gateway's part apart.")
+    lines.append("")
     return "\n".join(lines)
 
 

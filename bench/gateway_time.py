@@ -50,18 +50,6 @@ def gateway(env, name, fleet, tag, policy, wasm=None, extra=()):
     return router
 
 
-def percentile(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p * len(values)))] if values else None
-
-
-def client_side(path, cost):
-    """TTFT − uncached tokens × cost of every answered request in a replay's requests file."""
-    rows = [json.loads(line) for line in open(path)]
-    return [r["ttft_ms"] - (r["prompt_tokens"] - r["cached_tokens"]) * cost
-            for r in rows if r["error"] is None and r["ttft_ms"] is not None]
-
-
 def envoy_side(path):
     """Each phase of every request in an access log, and their sum."""
     phases = {p: [] for p in PHASES + ["gateway_us"]}
@@ -99,7 +87,7 @@ def run(env, kind, sc, trace, requests, cost, floor_wasm, wasm=None):
             # The plugin's first scrapes and discovery, as the sweep gives it.
             time.sleep(2.5)
         bench.replay(env, trace, router.url, fleet, span * 3 + 180, tag)
-        out = {"client_ms": client_side(env.logs / f"{tag}.requests.jsonl", cost)}
+        out = {"client_ms": bench.besides_prefill(env.logs / f"{tag}.requests.jsonl", cost)}
         if hasattr(router, "access_log"):
             out["envoy_us"] = envoy_side(router.access_log)
         return out
@@ -158,17 +146,18 @@ def main():
     print("| system | besides prefill p50 | p95 | vs upper bound p50 | routing p50 / p90 µs "
           "| response headers p50 µs | response p50 µs | gateway p50 / p90 µs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    base = percentile(results["upper"]["client_ms"], 0.5)
+    pct = bench.percentile
+    base = pct(results["upper"]["client_ms"], 0.5)
     for kind in kinds:
         r = results[kind]
-        c50, c95 = percentile(r["client_ms"], 0.5), percentile(r["client_ms"], 0.95)
+        c50, c95 = pct(r["client_ms"], 0.5), pct(r["client_ms"], 0.95)
         cells = [f"{c50:.2f} ms", f"{c95:.2f} ms", f"+{c50 - base:.2f} ms"]
         e = r.get("envoy_us")
         if e and e["gateway_us"]:
-            cells += [f"{percentile(e['routing_us'], .5)} / {percentile(e['routing_us'], .9)}",
-                      f"{percentile(e['response_headers_us'], .5)}",
-                      f"{percentile(e['response_us'], .5)}",
-                      f"{percentile(e['gateway_us'], .5)} / {percentile(e['gateway_us'], .9)}"]
+            cells += [f"{pct(e['routing_us'], .5)} / {pct(e['routing_us'], .9)}",
+                      f"{pct(e['response_headers_us'], .5)}",
+                      f"{pct(e['response_us'], .5)}",
+                      f"{pct(e['gateway_us'], .5)} / {pct(e['gateway_us'], .9)}"]
         else:
             cells += ["-"] * 4
         print(f"| {label[kind]} | " + " | ".join(cells) + " |")
