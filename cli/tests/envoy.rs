@@ -73,10 +73,10 @@ fn latency_and_prefix_beat_round_robin_by_20_points_and_pin_their_tenants() {
         );
         let groups = &r["summary"]["groups_on_one_endpoint"];
         assert_eq!(groups["groups"], 8);
-        // `latency`'s bounded share (`latency.balance_factor`) counts each Envoy worker's own
-        // requests, and a worker's first handful can make a tenant of this even trace look
-        // hot: one tenant got a second copy in 2 of 5 runs with two workers, in none of 6 with
-        // the bound off or with one worker (docs/benchmarks.md). At most that one.
+        // With two Envoy workers `latency`'s bounded share (`latency.balance_factor`) gives
+        // one tenant of this even trace a second copy in about a quarter of the runs (2 of 5),
+        // in none of 6 with the bound off or with one worker (docs/benchmarks.md; the cause
+        // is open). At most that one.
         let split = if policy == "latency" { 1 } else { 0 };
         let single = groups["single"].as_u64().unwrap();
         assert!(
