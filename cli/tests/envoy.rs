@@ -75,8 +75,9 @@ fn latency_and_prefix_beat_round_robin_by_20_points_and_pin_their_tenants() {
         assert_eq!(groups["groups"], 8);
         // With two Envoy workers `latency`'s bounded share (`latency.balance_factor`) gives
         // one tenant of this even trace a second copy in about a quarter of the runs (2 of 5),
-        // in none of 6 with the bound off or with one worker (docs/benchmarks.md; the cause
-        // is open). At most that one.
+        // in none of 6 with the bound off or with one worker: a tenant's three requests in the
+        // trace's first 130 ms look hot to a worker that saw half of the first seven
+        // (docs/benchmarks.md). At most that one.
         let split = if policy == "latency" { 1 } else { 0 };
         let single = groups["single"].as_u64().unwrap();
         assert!(
