@@ -20,6 +20,7 @@ on 127.0.0.1; every process it starts is stopped when it ends.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -147,6 +148,7 @@ def main():
             s.close()
         for r in fleet:
             bench.stop(r.proc)
+    shutil.rmtree(env.workdir, ignore_errors=True)  # its logs are kept only when a run failed
     print(f"Envoy CPU per request (median of {args.rounds} rounds of {args.duration} s, wrk -c32,"
           f" Envoy --concurrency {bench.ENVOY_CONCURRENCY}); added = minus Envoy without a filter\n")
     first = f"prefixroute {plugins[0][0]}"

@@ -12,6 +12,7 @@ and prints how many of those requests fell back.
 Everything listens on 127.0.0.1; every process it starts is stopped when it ends.
 """
 import argparse
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -59,6 +60,7 @@ def main():
     finally:
         for r in fleet:
             bench.stop(r.proc)
+    shutil.rmtree(env.workdir, ignore_errors=True)  # its logs are kept only when a run failed
     print(f"Requests in the first {args.seconds} s after Envoy is ready (wrk -c16, 1 KB chat"
           f" bodies, Envoy --concurrency {bench.ENVOY_CONCURRENCY}, pool discovered from the"
           f" admin interface), {args.rounds} starts each\n")
