@@ -21,7 +21,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn temp(name: &str) -> PathBuf {
-    support::scratch_dir("cli").join(name)
+    support::scratch_dir().join(name)
 }
 
 #[test]

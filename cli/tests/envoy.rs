@@ -130,6 +130,13 @@ fn hot_tenant_reaches_a_second_endpoint() {
     }
 }
 
+/// `n` fake replicas named replica-0, replica-1, …
+fn fleet(n: usize) -> Vec<FakeServer> {
+    (0..n)
+        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .collect()
+}
+
 /// `prefixroute serve` in front of `replicas` (named replica-0, replica-1, …) with `extra`.
 fn serve(replicas: &[&FakeServer], extra: &[&str]) -> Served {
     let mut args: Vec<String> = Vec::new();
@@ -156,9 +163,7 @@ fn chat(tenant: usize, question: usize) -> String {
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn a_killed_replica_gets_no_traffic_once_its_failures_are_seen() {
-    let replicas: Vec<FakeServer> = (0..3)
-        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
-        .collect();
+    let replicas = fleet(3);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
     let mut args = FAST_SCRAPES.to_vec();
     args.extend_from_slice(&["--failures-to-down", "2"]);
@@ -206,9 +211,7 @@ fn a_killed_replica_gets_no_traffic_once_its_failures_are_seen() {
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn malformed_bodies_are_routed_not_failed_by_the_plugin() {
-    let replicas: Vec<FakeServer> = (0..2)
-        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
-        .collect();
+    let replicas = fleet(2);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
     let envoy = serve(&refs, &FAST_SCRAPES);
     let cases = [
@@ -243,9 +246,7 @@ fn malformed_bodies_are_routed_not_failed_by_the_plugin() {
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn a_client_supplied_destination_header_is_overwritten() {
-    let replicas: Vec<FakeServer> = (0..2)
-        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
-        .collect();
+    let replicas = fleet(2);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
     let envoy = serve(&refs, &FAST_SCRAPES);
     let forced = format!("127.0.0.1:{}", replicas[0].port);
@@ -290,9 +291,7 @@ fn serve_leaves_no_files_in_the_temp_dir() {
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn the_access_log_names_each_requests_endpoint_and_where_its_time_went() {
-    let replicas: Vec<FakeServer> = (0..2)
-        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
-        .collect();
+    let replicas = fleet(2);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
     let log = temp("access.log");
     let _ = std::fs::remove_file(&log);

@@ -22,7 +22,7 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn write(name: &str, contents: &str) -> PathBuf {
-    let path = support::scratch_dir("pool").join(name);
+    let path = support::scratch_dir().join(name);
     std::fs::write(&path, contents).unwrap();
     path
 }

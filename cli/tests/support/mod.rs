@@ -187,12 +187,12 @@ fn dechunk(mut rest: &str) -> String {
     }
 }
 
-/// A scratch directory for the test binary `kind`, inside cargo's `CARGO_TARGET_TMPDIR` (the
-/// target directory's `tmp`, so test runs leave nothing in the system's temp dir), emptied the
-/// first time this process asks for it.
-pub fn scratch_dir(kind: &str) -> std::path::PathBuf {
+/// This test binary's scratch directory, inside cargo's `CARGO_TARGET_TMPDIR` (the target
+/// directory's `tmp`, so test runs leave nothing in the system's temp dir) and named after the
+/// binary (each has its own), emptied the first time this process asks for it.
+pub fn scratch_dir() -> std::path::PathBuf {
     static FRESH: std::sync::Once = std::sync::Once::new();
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(kind);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(env!("CARGO_CRATE_NAME"));
     FRESH.call_once(|| {
         let _ = std::fs::remove_dir_all(&dir);
     });
@@ -202,7 +202,7 @@ pub fn scratch_dir(kind: &str) -> std::path::PathBuf {
 
 /// A path in this test binary's scratch directory.
 pub fn temp(name: &str) -> std::path::PathBuf {
-    scratch_dir("http").join(name)
+    scratch_dir().join(name)
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released).
