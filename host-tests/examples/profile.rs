@@ -1,10 +1,12 @@
-//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS]`:
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS] [MESSAGES]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
 //! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per
 //! token, then per request in each callback (`proxy_on_request_body` is the routing decision)
 //! with the last request's host calls. GAP_MS (default 1) is the clock's step between requests:
 //! a worker that routes a request every 130 ms (a sweep's load on two workers) no longer
-//! carries the endpoint records it read (`CARRY_MS`) and reads them again. Cold: each
+//! carries the endpoint records it read (`CARRY_MS`) and reads them again. MESSAGES (default
+//! 1) spreads the prompt over that many messages (`host_tests::bench::conversation`: an
+//! agent's or a long chat's history, one boundary per message). Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -63,6 +65,12 @@ fn run() -> Result<(), String> {
             .map_err(|_| format!("GAP_MS must be a number, not {g:?}"))?,
         None => 1,
     };
+    let messages: usize = match args.get(5) {
+        Some(m) => m
+            .parse()
+            .map_err(|_| format!("MESSAGES must be a number, not {m:?}"))?,
+        None => 1,
+    };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
     let mut vm = host
@@ -76,7 +84,12 @@ fn run() -> Result<(), String> {
     let mut bodies = Vec::with_capacity(requests);
     for r in 0..requests {
         let tenant = if warm { 1 } else { r };
-        let body = host_tests::bench::body(tenant, tokens, &format!("question {r}"));
+        let question = format!("question {r}");
+        let body = if messages > 1 {
+            host_tests::bench::conversation(tenant, tokens, messages, &question)
+        } else {
+            host_tests::bench::body(tenant, tokens, &question)
+        };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=
             prefixroute_core::hashing::hash_request(&parsed, Default::default()).total_tokens();

@@ -76,6 +76,39 @@ pub fn body(tenant: usize, tokens: usize, question: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// [`body`] as a conversation: the same system prompt's words spread over `messages` messages
+/// (the system prompt, then user and assistant in turn, then `question`), so that a cold
+/// request carries `messages` boundaries (an agent's or a long chat's history).
+pub fn conversation(tenant: usize, tokens: usize, messages: usize, question: &str) -> Vec<u8> {
+    let turns = messages.max(1);
+    let words: Vec<String> = (0..tokens.saturating_sub(8 * turns + 16))
+        .map(|i| format!("w{}", (i * 7 + tenant) % 97))
+        .collect();
+    let per = words.len().div_ceil(turns).max(1);
+    let mut history: Vec<serde_json::Value> = words
+        .chunks(per)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let role = match i {
+                0 => "system",
+                i if i % 2 == 1 => "user",
+                _ => "assistant",
+            };
+            let text = chunk.join(" ");
+            let content = if i == 0 {
+                format!("tenant{tenant} {text}")
+            } else {
+                text
+            };
+            json!({"role": role, "content": content})
+        })
+        .collect();
+    history.push(json!({"role": "user", "content": question}));
+    json!({"model": "m", "messages": history})
+        .to_string()
+        .into_bytes()
+}
+
 /// Measures every combination on a fresh host per endpoint count: the VM is configured and
 /// has scraped every endpoint once, then for each size a cold request (new tenant), and a warm
 /// one (same system prompt as a request sent just before, new question).
