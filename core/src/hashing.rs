@@ -79,6 +79,16 @@ pub fn chain_hashes(tokens: &[u32], seed: u64, config: HashConfig) -> Vec<u64> {
     out
 }
 
+/// Message boundaries kept per chain at each end of its messages
+/// ([`BlockHashes::marks`]): the first (a system prompt, a conversation's first exchange: what
+/// other groups and the group's home share) and the last (the previous turn's prompt, the
+/// history before the new message). The belief records a position for each boundary kept
+/// (and the grid of its gap), so keeping every one made a cold request's shared-data writes
+/// grow with its message count: an agent's 256-message, 16k-token history cost the plugin 303
+/// writes against 47 for the same tokens in one message (docs/benchmarks.md). A prefix that
+/// ends at a boundary between them is found like any other, at the checkpoints.
+pub const KEPT_MARKS: usize = 2;
+
 /// One hash chain per prompt of a request, plus token counts.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockHashes {
@@ -88,8 +98,9 @@ pub struct BlockHashes {
     pub tokens: Vec<usize>,
     pub block_size: usize,
     /// Per chain, the numbers of full blocks that lie before a message boundary (increasing,
-    /// each at least one): the prefixes other requests are likely to share, which the belief
-    /// records exactly (see [`crate::index::record_positions`]).
+    /// each at least one), the first and the last [`KEPT_MARKS`] of them: the prefixes other
+    /// requests are likely to share, which the belief records exactly (see
+    /// [`crate::index::record_positions`]).
     #[serde(default)]
     pub marks: Vec<Vec<usize>>,
 }
@@ -207,10 +218,14 @@ impl Chainer {
         self.full_tokens + self.filled
     }
 
-    /// The number of full blocks so far, appended to `marks` unless zero or a repeat.
+    /// The number of full blocks so far, appended to `marks` unless zero or a repeat; beyond
+    /// [`KEPT_MARKS`] at each end, the oldest of the last ones goes.
     fn mark(&self, marks: &mut Vec<usize>) {
         let blocks = self.full_tokens / self.block_size;
         if blocks > 0 && marks.last() != Some(&blocks) {
+            if marks.len() == 2 * KEPT_MARKS {
+                marks.remove(KEPT_MARKS);
+            }
             marks.push(blocks);
         }
     }
@@ -470,6 +485,40 @@ mod tests {
         }
         // "<", "system", ">\n", "a ", …, "e\n": 8 tokens before the user message.
         assert_eq!(hash_request(&req, FULL).marks, vec![vec![2, 3]]);
+    }
+
+    #[test]
+    fn a_long_chat_keeps_the_marks_of_its_first_and_last_messages() {
+        let messages: Vec<serde_json::Value> = (0..12)
+            .map(|i| serde_json::json!({"role": "user", "content": format!("message {i} words")}))
+            .collect();
+        let body = serde_json::json!({ "messages": messages }).to_string();
+        let req = crate::request::parse_request(body.as_bytes()).unwrap();
+        let Prompt::Text(text) = &req.prompts[0] else {
+            panic!("chat is text")
+        };
+        let config = HashConfig {
+            block_size: 2,
+            include_partial: true,
+        };
+        let every: Vec<usize> = req
+            .boundaries
+            .iter()
+            .map(|&b| crate::tokenizer::tokenize(&text[..b]).len() / 2)
+            .collect();
+        assert_eq!(every.len(), 11);
+        let kept = [&every[..KEPT_MARKS], &every[every.len() - KEPT_MARKS..]].concat();
+        assert_eq!(hash_request(&req, config).marks, vec![kept.clone()]);
+        // The memo's path and the in-place reader's keep the same ones.
+        let mut memo = ChainMemo::default();
+        let mut out = BlockHashes::default();
+        for _ in 0..2 {
+            hash_request_memo_into(&req, config, &mut memo, &mut out);
+            assert_eq!(out.marks, vec![kept.clone()]);
+            let chat = crate::request::read_chat(body.as_bytes()).unwrap();
+            hash_chat_memo_into(&chat, config, &mut memo, &mut out);
+            assert_eq!(out.marks, vec![kept.clone()]);
+        }
     }
 
     #[test]

@@ -40,9 +40,10 @@ pub const CHECKPOINTS_PER_LEVEL: usize = 16;
 /// of new blocks it stands for (itself and the unrecorded ones before it, counted from `from`):
 ///
 /// * every checkpoint (see [`CHECKPOINTS_PER_LEVEL`]);
-/// * the last block of each prefix in `marks` (block counts: where the request's messages
-///   begin, see [`crate::hashing::BlockHashes::marks`]), and the grid points of its gap up to
-///   it (so a gap's grid is held as a prefix up to a recorded end, see [`grid_to`]);
+/// * the last block of each prefix in `marks` (block counts: where the request's first and
+///   last few messages begin, see [`crate::hashing::BlockHashes::marks`]), and the grid points
+///   of its gap up to it (so a gap's grid is held as a prefix up to a recorded end, see
+///   [`grid_to`]);
 /// * leaving a believed match of `from` blocks, the grid points from `from` to the next
 ///   checkpoint;
 /// * densely, the blocks around `from`, the request's believed match on the endpoint before
@@ -62,8 +63,10 @@ pub const CHECKPOINTS_PER_LEVEL: usize = 16;
 /// than the gap ([`gap_blocks`]: 16 blocks up to block 259, 32 to 771, 64 to 1,795, … about
 /// a sixteenth of the depth). Never within the first [`DENSE_BLOCKS`] blocks, never when the
 /// shared prefix ends where the recorded request ended (the next turn of a conversation, an
-/// exact repeat) or where one of its messages began (a system prompt, a document in its own
-/// message), and only once for a prefix that ends inside a message (a document and its
+/// exact repeat) or where one of its marked messages began (its first and last
+/// [`crate::hashing::KEPT_MARKS`]: a system prompt, a document in its own message, the
+/// previous turn's prompt), and only once for a prefix that ends inside a message or at an
+/// unmarked boundary between those (a document and its
 /// question in one): the request that fell short records its gap's grid and the blocks after
 /// its match densely, so the next one finds the end to within [`STRIDE_BLOCKS`], or exactly.
 pub fn record_positions(n: usize, marks: &[usize], from: usize) -> Vec<(usize, usize)> {

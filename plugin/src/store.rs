@@ -14,8 +14,9 @@
 //!   with one write.
 //! * Not every block of a chain is written: core's [`record_positions`] picks its checkpoints
 //!   (the first 4, then one in 16, one in 32 beyond block 259, one in 64 beyond 771, …), the
-//!   last block before each message boundary and the last, with the one-in-16 grid of their
-//!   gaps up to them, and the 16 after the believed match (when there is one), each reserving
+//!   last block before each marked message boundary (the first and last two) and the last,
+//!   with the one-in-16 grid of their gaps up to them, and the 16 after the believed match
+//!   (when there is one), each reserving
 //!   its weight of stamps (the blocks it stands for), so a cold 16k-token prompt costs ~47
 //!   bucket writes, not ~1,000, and a cold 1k-token one 14; lookups are core's
 //!   [`believed_match`] over the same positions (binary searches over the checkpoints and a

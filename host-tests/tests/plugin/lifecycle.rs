@@ -267,6 +267,38 @@ fn costs_are_counted_per_request_and_repeat_exactly() {
     assert!(t.shared_bytes_in > 0 && t.shared_bytes_out > 0);
 }
 
+/// A cold request records a bounded number of positions: its writes do not grow with the
+/// number of its messages (an agent's long history arriving at a gateway that never saw it).
+/// Before the marks were capped (`prefixroute_core::hashing::KEPT_MARKS`), 256 messages of the
+/// same 4k tokens cost about one bucket write per message.
+#[test]
+fn a_cold_requests_index_writes_do_not_grow_with_its_message_count() {
+    let sets = |messages: usize| {
+        let host = common::host();
+        let mut vm = common::configured(&host, &config(3, json!({})));
+        let body = if messages == 1 {
+            host_tests::bench::body(7, 4096, "what changed?")
+        } else {
+            host_tests::bench::conversation(7, 4096, messages, "what changed?")
+        };
+        let rt = vm.round_trip(&Request::chat(body)).unwrap();
+        let matched = rt
+            .response_header("x-prefixroute-match")
+            .unwrap_or_default();
+        assert!(matched.starts_with("0/"), "cold: {matched}");
+        rt.costs.by_callback["proxy_on_request_body"].calls("proxy_set_shared_data")
+    };
+    let one = sets(1);
+    for messages in [16, 64, 256] {
+        let many = sets(messages);
+        // The first and last two boundaries, each with its gap's grid, over one message.
+        assert!(
+            many <= one + 8,
+            "{messages} messages: {many} writes against {one} for one message"
+        );
+    }
+}
+
 /// Why the plugin's README asks for `per_connection_buffer_limit_bytes` above
 /// `max_body_bytes`: with Envoy's default 1 MiB limit and the plugin's default 4 MiB
 /// `max_body_bytes`, a 2 MiB request is answered 413 by Envoy before the plugin can fall back.
