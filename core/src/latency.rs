@@ -995,6 +995,16 @@ impl RecentRequests {
     /// gateways TTFT p95 31.7× → 36.0× the bound's); at 2 the hot tenant's copy came later
     /// (TTFT p95 at 0.5 ms/token 1.04× → 1.12× the bound's), docs/benchmarks.md.
     pub const HOT_SHARE: f64 = 1.5;
+
+    /// How far past `balance_factor` × the mean a holder's count must be to be set aside:
+    /// half a request. In a router's first handful of requests the bound is a fraction (2 ×
+    /// 4/3 requests) and one request decides: an Envoy worker that had seen 4 of the first 7
+    /// requests of the demo trace, 3 of them one tenant's, found that tenant hot and its
+    /// holder's 3 requests over the bound of 2.67, and copied an even tenant (6 of 32 runs
+    /// with two workers; none with one worker, whose sample is every request). With the
+    /// slack a holder must be over by a request, less the decay: 0 of 48 runs. The
+    /// simulator's single router moves little (docs/benchmarks.md).
+    pub const SLACK: f64 = 0.5;
 }
 
 /// How often requests start a group on each shared prefix, per second: the rate the copy

@@ -1180,7 +1180,8 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
 
 /// Sets aside, for a group's first request, each eligible endpoint that holds the request's
 /// prefix (the `held` blocks of the longest believed match) and has taken more than `factor`
-/// times the mean eligible endpoint's recent requests ([`RecentRequests`]), when the prefix is
+/// times the mean eligible endpoint's recent requests ([`RecentRequests`]) by more than
+/// [`RecentRequests::SLACK`], when the prefix is
 /// hot: it started [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
 /// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
 /// the same time constant) than the mean endpoint took requests, so it cannot fit on one
@@ -1218,7 +1219,10 @@ fn bound_busy_holders(
         return;
     }
     for (e, s) in scores.iter_mut().enumerate() {
-        if !s.excluded && s.matched_blocks == held && recent.count(e, now_ms) > factor * mean {
+        if !s.excluded
+            && s.matched_blocks == held
+            && recent.count(e, now_ms) > factor * mean + RecentRequests::SLACK
+        {
             s.excluded = true;
             s.over_share = true;
         }
@@ -2027,6 +2031,31 @@ mod tests {
         s[1].matched_blocks = 10;
         bound_busy_holders(&mut s, 10, 6.0, &recent, 2.0, 0.0);
         assert_eq!(excluded(&s), [false; 4]);
+    }
+
+    #[test]
+    fn a_handful_of_requests_sets_a_holder_aside_only_a_whole_request_over_the_bound() {
+        // An Envoy worker's first four requests of the demo trace: three of one tenant on
+        // endpoint 2, one on endpoint 0. The mean is 4/3, the bound 8/3, and the tenant's 3
+        // starts are over 1.5 × 4/3: hot by its share, but its holder is over the bound by a
+        // third of a request, which one request more or less decides. Kept.
+        let mut recent = RecentRequests::new(3);
+        for e in [0, 2, 2, 2] {
+            recent.record(e, 0.0);
+        }
+        let scores = || {
+            let mut s = vec![seen(0, 400.0, false, true); 3];
+            s[2] = seen(10, 30.0, false, true);
+            s
+        };
+        let mut s = scores();
+        bound_busy_holders(&mut s, 10, 3.0, &recent, 2.0, 0.0);
+        assert_eq!(excluded(&s), [false; 3]);
+        // A fourth request there puts it over by more than the slack: set aside.
+        recent.record(2, 0.0);
+        let mut s = scores();
+        bound_busy_holders(&mut s, 10, 4.0, &recent, 2.0, 0.0);
+        assert_eq!(excluded(&s), [false, false, true]);
     }
 
     #[test]
