@@ -4,8 +4,8 @@
 //! token, then per request in each callback (`proxy_on_request_body` is the routing decision)
 //! with the last request's host calls. GAP_MS (default 1) is the clock's step between requests:
 //! a worker that routes a request every 130 ms (a sweep's load on two workers) no longer
-//! carries the endpoint records it read (`CARRY_MS`) and reads them again. MESSAGES (default
-//! 1) spreads the prompt over that many messages (`host_tests::bench::conversation`: an
+//! carries the endpoint records it read (`CARRY_MS`) and reads them again. MESSAGES (one by
+//! default) spreads the prompt over that many messages (`host_tests::bench::conversation`: an
 //! agent's or a long chat's history, one boundary per message). Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
