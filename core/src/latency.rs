@@ -988,6 +988,25 @@ impl RecentRequests {
         self.0.observe(endpoint, 1.0, now_ms, Self::WINDOW_MS);
     }
 
+    /// No requests on `endpoints` endpoints, as of `now_ms`: where [`Self::add`] sums counts.
+    pub fn reset(&mut self, endpoints: usize, now_ms: f64) {
+        self.0.count.clear();
+        self.0.count.resize(endpoints, 0.0);
+        self.0.at_ms = now_ms;
+    }
+
+    /// Adds another router's count on `endpoint`, as it was at `counted_at_ms`, decayed to
+    /// this one's instant (a count that is not a finite non-negative number adds nothing).
+    pub fn add(&mut self, endpoint: usize, count: f64, counted_at_ms: f64) {
+        if !(count.is_finite() && count > 0.0 && counted_at_ms.is_finite()) {
+            return;
+        }
+        let keep = decay(self.0.at_ms - counted_at_ms, Self::WINDOW_MS);
+        if let Some(v) = self.0.count.get_mut(endpoint) {
+            *v += count * keep;
+        }
+    }
+
     /// How much busier than the mean endpoint a prefix must be, per endpoint holding it, to be
     /// bounded: half again a fair share. At 1 (any prefix over a fair share) the sweep's RAG
     /// documents (8 over 6 replicas, some a little busier than the rest) got copies they did

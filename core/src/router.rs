@@ -407,8 +407,11 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     ends: RecentEnds,
     /// How often requests start groups on each shared prefix (for `latency`'s copy credit).
     starts: PrefixRates,
-    /// The requests sent to each endpoint lately (for `latency`'s bounded share).
+    /// The requests this router sent to each endpoint lately (for `latency`'s bounded share).
     recent: RecentRequests,
+    /// The requests every router of a proxy sent each endpoint lately, when its caller pools
+    /// them ([`Router::set_fleet_recent`]): what the bounded share weighs a holder's load by.
+    fleet_recent: Option<RecentRequests>,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -439,6 +442,7 @@ impl<S: PrefixStore> Router<S> {
             ends: RecentEnds::new(),
             starts: PrefixRates::default(),
             recent: RecentRequests::new(endpoints),
+            fleet_recent: None,
             tie_key: None,
             tie_home: None,
         }
@@ -467,6 +471,7 @@ impl<S: PrefixStore> Router<S> {
         self.last_cold = vec![None; endpoints];
         self.live = LiveGroups::new(endpoints);
         self.recent = RecentRequests::new(endpoints);
+        self.fleet_recent = None;
         self.next_round_robin = self.next_round_robin.min(endpoints.saturating_sub(1));
     }
 
@@ -758,7 +763,10 @@ impl<S: PrefixStore> Router<S> {
                         &mut scores,
                         held,
                         per_holder,
-                        &self.recent,
+                        [
+                            &self.recent,
+                            self.fleet_recent.as_ref().unwrap_or(&self.recent),
+                        ],
                         factor,
                         self.now_ms,
                     );
@@ -947,6 +955,19 @@ impl<S: PrefixStore> Router<S> {
 
     /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
     /// the router's own, which keeps its room: a proxy does this on every route).
+    /// The requests every router of this proxy sent each endpoint lately (a proxy's workers
+    /// pool their counts in shared data), for the bounded share's holder test; this router's
+    /// own counts still say whether a prefix is hot, since its prefix starts are its own
+    /// sample. Why: a worker's own counts are a small sample in a trace's first seconds, and
+    /// one that saw five of a document's six requests found its holder over twice the mean
+    /// and copied a document the fleet's counts put well under it (docs/benchmarks.md).
+    pub fn set_fleet_recent(&mut self, fleet: &RecentRequests) {
+        match &mut self.fleet_recent {
+            Some(mine) => mine.clone_from(fleet),
+            None => self.fleet_recent = Some(fleet.clone()),
+        }
+    }
+
     pub fn set_live_groups(&mut self, live: &LiveGroups) {
         let LiveGroups { count, at_ms } = live;
         self.live.count.clone_from(count);
@@ -1180,12 +1201,13 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
 
 /// Sets aside, for a group's first request, each eligible endpoint that holds the request's
 /// prefix (the `held` blocks of the longest believed match) and has taken more than `factor`
-/// times the mean eligible endpoint's recent requests ([`RecentRequests`]) by more than
+/// times the mean eligible endpoint's recent requests ([`RecentRequests`]: `[own, fleet]`, the
+/// fleet's where a proxy pools its workers' counts, else the router's own) by more than
 /// [`RecentRequests::SLACK`], when the prefix is
 /// hot: it started [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
 /// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
-/// the same time constant) than the mean endpoint took requests, so it cannot fit on one
-/// endpoint's fair share. The request then goes where the prediction puts it among the
+/// the same time constant) than the mean endpoint took requests from this router (its own
+/// sample of both), so it cannot fit on one endpoint's fair share. The request then goes where the prediction puts it among the
 /// others: to a copy of the prefix if one is believed anywhere, else it makes one. Some
 /// eligible endpoint is always left: the least busy one is at most the mean, and the factor is
 /// at least 1. Until the endpoints have taken a request each on average, shares say nothing (a
@@ -1205,24 +1227,26 @@ fn bound_busy_holders(
     scores: &mut [EndpointScores],
     held: usize,
     starts_per_holder: f64,
-    recent: &RecentRequests,
+    [own, fleet]: [&RecentRequests; 2],
     factor: f64,
     now_ms: f64,
 ) {
-    let (mut n, mut total) = (0usize, 0.0);
-    for (e, _) in scores.iter().enumerate().filter(|(_, s)| !s.excluded) {
-        n += 1;
-        total += recent.count(e, now_ms);
-    }
-    let mean = total / n.max(1) as f64;
-    if factor <= 0.0 || mean < 1.0 || starts_per_holder <= RecentRequests::HOT_SHARE * mean {
+    let mean = |recent: &RecentRequests| {
+        let (mut n, mut total) = (0usize, 0.0);
+        for (e, _) in scores.iter().enumerate().filter(|(_, s)| !s.excluded) {
+            n += 1;
+            total += recent.count(e, now_ms);
+        }
+        total / n.max(1) as f64
+    };
+    let own_mean = mean(own);
+    if factor <= 0.0 || own_mean < 1.0 || starts_per_holder <= RecentRequests::HOT_SHARE * own_mean
+    {
         return;
     }
+    let bound = factor * mean(fleet) + RecentRequests::SLACK;
     for (e, s) in scores.iter_mut().enumerate() {
-        if !s.excluded
-            && s.matched_blocks == held
-            && recent.count(e, now_ms) > factor * mean + RecentRequests::SLACK
-        {
+        if !s.excluded && s.matched_blocks == held && fleet.count(e, now_ms) > bound {
             s.excluded = true;
             s.over_share = true;
         }
@@ -2010,7 +2034,7 @@ mod tests {
         };
         let bounded = |starts_per_holder: f64, factor: f64, recent: &RecentRequests| {
             let mut s = scores();
-            bound_busy_holders(&mut s, 10, starts_per_holder, recent, factor, 0.0);
+            bound_busy_holders(&mut s, 10, starts_per_holder, [recent, recent], factor, 0.0);
             assert_eq!(
                 excluded(&s),
                 s.iter().map(|s| s.over_share).collect::<Vec<_>>()
@@ -2029,7 +2053,7 @@ mod tests {
         let mut s = scores();
         s[0].matched_blocks = 4;
         s[1].matched_blocks = 10;
-        bound_busy_holders(&mut s, 10, 6.0, &recent, 2.0, 0.0);
+        bound_busy_holders(&mut s, 10, 6.0, [&recent, &recent], 2.0, 0.0);
         assert_eq!(excluded(&s), [false; 4]);
     }
 
@@ -2049,13 +2073,46 @@ mod tests {
             s
         };
         let mut s = scores();
-        bound_busy_holders(&mut s, 10, 3.0, &recent, 2.0, 0.0);
+        bound_busy_holders(&mut s, 10, 3.0, [&recent, &recent], 2.0, 0.0);
         assert_eq!(excluded(&s), [false; 3]);
         // A fourth request there puts it over by more than the slack: set aside.
         recent.record(2, 0.0);
         let mut s = scores();
-        bound_busy_holders(&mut s, 10, 4.0, &recent, 2.0, 0.0);
+        bound_busy_holders(&mut s, 10, 4.0, [&recent, &recent], 2.0, 0.0);
         assert_eq!(excluded(&s), [false, false, true]);
+    }
+
+    #[test]
+    fn a_holder_is_weighed_by_the_fleets_requests_when_a_proxy_pools_them() {
+        // A worker saw 5 of a document's 6 requests and 4 others: its own counts make the
+        // holder (endpoint 0) hot and over the bound (5 > 2 × 1.5 + 0.5), and its 5 starts
+        // are over 1.5 × 1.5.
+        let mut own = RecentRequests::new(6);
+        for e in [0, 0, 0, 0, 0, 1, 2, 3, 4] {
+            own.record(e, 0.0);
+        }
+        // The fleet (both workers) sent 6 of 23 there: the bound is 2 × 23/6 + 0.5 = 8.2.
+        let mut fleet = RecentRequests::default();
+        fleet.reset(6, 0.0);
+        for (e, n) in [(0, 6.0), (1, 4.0), (2, 4.0), (3, 3.0), (4, 3.0), (5, 3.0)] {
+            fleet.add(e, n, 0.0);
+        }
+        let scores = || {
+            let mut s = vec![seen(0, 900.0, false, true); 6];
+            s[0] = seen(110, 20.0, false, true);
+            s
+        };
+        let mut s = scores();
+        bound_busy_holders(&mut s, 110, 5.0, [&own, &own], 2.0, 0.0);
+        assert!(excluded(&s)[0], "its own counts set the holder aside");
+        let mut s = scores();
+        bound_busy_holders(&mut s, 110, 5.0, [&own, &fleet], 2.0, 0.0);
+        assert_eq!(excluded(&s), [false; 6], "the fleet's keep it");
+        // A holder over the fleet's bound is set aside however few this worker sent it.
+        fleet.add(0, 4.0, 0.0);
+        let mut s = scores();
+        bound_busy_holders(&mut s, 110, 5.0, [&own, &fleet], 2.0, 0.0);
+        assert_eq!(excluded(&s), [true, false, false, false, false, false]);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use prefixroute_core::Turn;
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 7;
+pub const LAYOUT: u8 = 8;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -415,6 +415,9 @@ pub struct EndpointLedger {
     /// This instance's share of the groups living on the endpoint (core's `LiveGroups`;
     /// signed, the sum over instances is what counts).
     pub live_groups: f64,
+    /// The requests this instance sent the endpoint lately, as of the record's heartbeat
+    /// (core's `RecentRequests`).
+    pub recent_requests: f64,
 }
 
 impl EndpointLedger {
@@ -423,6 +426,7 @@ impl EndpointLedger {
             && self.rate == PrefillRate::default()
             && self.sent == SentTokens::default()
             && self.live_groups == 0.0
+            && self.recent_requests == 0.0
     }
 }
 
@@ -434,7 +438,7 @@ impl EndpointLedger {
 /// Layout: `layout u8 | nonce u64 | heartbeat_ms u64 | lane fit 8 × f64 | hold 2 × f64 |
 /// growth 8 × f64 | live_at_ms f64 | n u16 | n × (endpoint u64, in_flight u32, prefilling u32,
 /// prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64, live_groups f64)`: 171 + 64 n bytes.
+/// sent_predicted_cached u64, live_groups f64, recent_requests f64)`: 171 + 72 n bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InstanceRecord {
     /// Which registration wrote this (a reused slot gets a new nonce).
@@ -449,7 +453,7 @@ pub struct InstanceRecord {
 }
 
 const INSTANCE_HEADER_BYTES: usize = 171;
-const LEDGER_BYTES: usize = 64;
+const LEDGER_BYTES: usize = 72;
 
 impl InstanceRecord {
     pub fn encode(&self) -> Vec<u8> {
@@ -495,6 +499,7 @@ impl InstanceRecord {
             w.u64(e.sent.prompt);
             w.u64(e.sent.predicted_cached);
             w.f64(e.live_groups);
+            w.f64(e.recent_requests);
         }
         *out = w.0;
     }
@@ -545,6 +550,7 @@ impl InstanceRecord {
                     predicted_cached: r.u64()?,
                 },
                 live_groups: r.f64()?,
+                recent_requests: r.f64()?,
             });
         }
         Some(InstanceRecord {
@@ -992,6 +998,7 @@ mod tests {
                         predicted_cached: 9_000,
                     },
                     live_groups: -1.25,
+                    recent_requests: 3.5,
                 },
                 EndpointLedger {
                     endpoint: u64::MAX,
@@ -1003,8 +1010,8 @@ mod tests {
                 },
             ],
         };
-        assert_eq!(rec.encode().len(), 171 + 2 * 64);
-        assert_eq!(rec.encode().capacity(), 171 + 2 * 64);
+        assert_eq!(rec.encode().len(), 171 + 2 * 72);
+        assert_eq!(rec.encode().capacity(), 171 + 2 * 72);
         // The ledger encodes into one buffer over and over: a shorter record written over a
         // longer one leaves none of the longer one's bytes behind.
         let mut buf = rec.encode();

@@ -18,7 +18,7 @@
 
 use prefixroute_core::latency::{
     decay, EndpointWork, GroupGrowth, LatencyConfig, LearnedModel, LiveGroups, Observation,
-    Prediction, PrefillRate, RequestLedger, SentTokens,
+    Prediction, PrefillRate, RecentRequests, RequestLedger, SentTokens,
 };
 use prefixroute_core::router::Committed;
 use prefixroute_core::Turn;
@@ -46,6 +46,8 @@ pub struct Pooled {
     pub learned: LearnedModel,
     pub growth: GroupGrowth,
     pub live: LiveGroups,
+    /// The requests every instance sent each endpoint lately (core's bounded share).
+    pub recent: RecentRequests,
 }
 
 impl Pooled {
@@ -77,6 +79,8 @@ pub struct Ledger {
     own: RequestLedger,
     growth: GroupGrowth,
     live: LiveGroups,
+    /// The requests this instance sent each endpoint lately (as core's router counts them).
+    recent: RecentRequests,
     me: Option<Member>,
     /// Other live instances, as of the last tick.
     peers: Vec<Member>,
@@ -102,6 +106,7 @@ impl Ledger {
             own: RequestLedger::new(ids.len()),
             growth: GroupGrowth::default(),
             live: LiveGroups::new(ids.len()),
+            recent: RecentRequests::new(ids.len()),
             ids,
             me: None,
             peers: Vec::new(),
@@ -125,6 +130,8 @@ impl Ledger {
             .collect();
         self.own = self.own.remapped(&previous);
         self.live = self.live.remapped(&previous);
+        // Seconds of history, as the router's own counts start over with the pool.
+        self.recent = RecentRequests::new(ids.len());
         self.ids = ids;
     }
 
@@ -264,6 +271,11 @@ impl Ledger {
         self.growth.observe(continued, new_blocks, committed.now_ms);
     }
 
+    /// One request routed to `endpoint` at `now_ms` (published with the next write).
+    pub fn record_request(&mut self, endpoint: usize, now_ms: u64) {
+        self.recent.record(endpoint, now_ms as f64);
+    }
+
     /// `endpoint` restarted with an empty cache: this instance's count of the groups living
     /// there starts over (published with the next write).
     pub fn forget_live_groups(&mut self, endpoint: usize) {
@@ -285,6 +297,7 @@ impl Ledger {
             learned,
             growth,
             live,
+            recent,
         } = &mut pooled;
         let LearnedModel { rates, lanes, hold } = &self.own.learned;
         work.clone_from(&self.own.work);
@@ -297,6 +310,10 @@ impl Ledger {
         live.count.clear();
         live.count.resize(n, 0.0);
         live.at_ms = now_ms as f64;
+        recent.reset(n, now_ms as f64);
+        for e in 0..n {
+            recent.add(e, self.recent.count(e, now_ms as f64), now_ms as f64);
+        }
         let mut peer_live = std::mem::take(&mut self.peer_live);
         peer_live.clear();
         for peer in &self.peers {
@@ -322,6 +339,9 @@ impl Ledger {
                     pooled.add_work(e, &ledger.work, &ledger.sent);
                     theirs.rates[e] = ledger.rate;
                     peer_live.push((e, ledger.live_groups, record.live_at_ms));
+                    pooled
+                        .recent
+                        .add(e, ledger.recent_requests, record.heartbeat_ms as f64);
                 }
             }
             pooled.learned.add(theirs);
@@ -456,6 +476,7 @@ impl Ledger {
                     rate: self.own.learned.rates[e],
                     sent: self.own.sent[e],
                     live_groups: self.live.count.get(e).copied().unwrap_or(0.0),
+                    recent_requests: self.recent.count(e, now_ms as f64),
                 })
                 .filter(|l| !l.is_empty()),
         );
@@ -543,6 +564,33 @@ mod tests {
         b.release(&host, 2, Some(700), None, 150);
         b.release(&host, 2, Some(700), None, 150);
         assert_eq!(a.totals(&host, 150).work[2], EndpointWork::default());
+    }
+
+    #[test]
+    fn every_instances_recent_requests_are_pooled_and_decayed_to_now() {
+        let host = MemShared::new();
+        let (mut a, mut b) = (instance(), instance());
+        // The counts ride the record a request's acquire writes.
+        for e in [0, 0, 0, 1] {
+            a.record_request(e, 0);
+            a.acquire(&host, e, &work(10), 0);
+        }
+        b.record_request(0, 0);
+        b.record_request(2, 0);
+        b.acquire(&host, 2, &work(10), 0);
+        for i in [&mut a, &mut b] {
+            i.tick(&host, 0);
+        }
+        let window = RecentRequests::WINDOW_MS;
+        for i in [&mut a, &mut b] {
+            let recent = &i.totals(&host, 0).recent;
+            let counts: Vec<f64> = (0..3).map(|e| recent.count(e, 0.0)).collect();
+            assert_eq!(counts, vec![4.0, 1.0, 1.0]);
+            // A fifth of a window later (within the peers' heartbeat), what is left of each.
+            let later = &i.totals(&host, window as u64 / 5).recent;
+            let left = later.count(0, window / 5.0);
+            assert!((left - 4.0 * (-0.2f64).exp()).abs() < 1e-9, "{left}");
+        }
     }
 
     #[test]

@@ -332,6 +332,7 @@ impl<H: SharedData> Scheduler<H> {
                 decision.new_blocks(),
             );
         }
+        self.ledger.record_request(endpoint, now_ms);
         let errors = self.router.store_mut().end_request();
         self.count_shared(errors);
         if decision.cold {
@@ -383,6 +384,7 @@ impl<H: SharedData> Scheduler<H> {
         let learned = pooled.learned.estimate(&self.config.latency);
         self.router.set_growth(pooled.growth);
         self.router.set_live_groups(&pooled.live);
+        self.router.set_fleet_recent(&pooled.recent);
         let stale_after = self.config.scrape.stale_after_ms;
         self.scrape_seen.resize(endpoints, (0, 0));
         let seen = &mut self.scrape_seen;

@@ -66,7 +66,7 @@ fn gauges(host: &host_tests::Host, n: usize) -> Vec<i64> {
 /// (`prefixroute/ledger/<slot>`: layout u8, nonce u64, heartbeat u64, lane fit 8 × f64,
 /// hold 2 × f64, growth 8 × f64, live_at_ms f64, n u16, n × (endpoint u64, in_flight u32,
 /// prefilling u32, prefill_tokens u64, busy_ms f64, work_tokens f64, sent_prompt u64,
-/// sent_predicted_cached u64, live_groups f64)).
+/// sent_predicted_cached u64, live_groups f64, recent_requests f64)).
 fn published_total(host: &host_tests::Host) -> u64 {
     const HEAD: usize = 1 + 8 + 8 + 8 * 8 + 2 * 8 + 8 * 8 + 8;
     host.shared()
@@ -76,7 +76,7 @@ fn published_total(host: &host_tests::Host) -> u64 {
             let n = u16::from_le_bytes([v[HEAD], v[HEAD + 1]]) as usize;
             (0..n)
                 .map(|i| {
-                    let at = HEAD + 2 + i * 64 + 8;
+                    let at = HEAD + 2 + i * 72 + 8;
                     u64::from(u32::from_le_bytes(v[at..at + 4].try_into().unwrap()))
                 })
                 .sum::<u64>()
@@ -214,4 +214,63 @@ fn under_constant_cas_contention_requests_still_route_and_give_ups_are_counted()
     assert!(mismatches > mismatches_before + 50, "{mismatches}");
     assert!(host.stats().value("prefixroute.shared_data.cas_give_ups") > 0);
     assert!(w1.trapped().is_none() && w2.trapped().is_none());
+}
+
+#[test]
+fn a_holder_busy_by_one_workers_counts_but_not_by_every_workers_keeps_its_prefix() {
+    // Two workers over six endpoints. Worker 1 routes 30 tenants' first questions (spread over
+    // the endpoints, about 5 each); then worker 0 routes a document's questions, all to its
+    // holder, and four tenants of its own. At the document's fifth question worker 0 has
+    // routed 8 requests: by its own counts the document is hot (3 starts on one holder against
+    // 1.5 × 8/6) and its holder over the bound (4 against 2 × 8/6 + 0.5), so a build that
+    // weighed the holder by them copied the document (its whole prefill, for balance). By both
+    // workers' counts the holder took about 9 of 38, under 2 × 38/6 + 0.5: it keeps them all.
+    let host = common::host();
+    let c = config(6, json!({}));
+    let mut w = [common::configured(&host, &c), common::configured(&host, &c)];
+    let scrape = |_| CalloutReply::ok(page(0.0, 0.0, 0.1));
+    for vm in w.iter_mut() {
+        common::tick_and_answer(vm, scrape);
+    }
+    let route = |w: &mut [Vm; 2], k: usize, system: &str, q: &str| {
+        host.clock().advance_ms(5);
+        let rt = w[k]
+            .round_trip(&Request::chat(chat_body(system, q)))
+            .unwrap();
+        endpoint_of(&destination(&rt.exchange))
+    };
+    for t in 0..30 {
+        route(
+            &mut w,
+            1,
+            &common::tenant_prompt(600 + t),
+            "where is my order?",
+        );
+    }
+    // Worker 0 learns its peer at its tick.
+    for vm in w.iter_mut() {
+        common::tick_and_answer(vm, scrape);
+    }
+    let doc = common::tenant_prompt(500);
+    // Questions of full blocks, so that none ends where the last one did (that would make it
+    // the document's next turn, not a new group).
+    let question = |q: usize| {
+        format!(
+            "question {q}: {}",
+            "what do the terms say of it? ".repeat(6)
+        )
+    };
+    let holder = route(&mut w, 0, &doc, &question(0));
+    for t in 0..4 {
+        route(
+            &mut w,
+            0,
+            &common::tenant_prompt(700 + t),
+            "where is my order?",
+        );
+    }
+    for q in 1..5 {
+        assert_eq!(route(&mut w, 0, &doc, &question(q)), holder);
+    }
+    assert_eq!(route(&mut w, 0, &doc, &question(5)), holder);
 }
