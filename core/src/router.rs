@@ -1203,12 +1203,13 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
 /// prefix (the `held` blocks of the longest believed match) and has taken more than `factor`
 /// times the mean eligible endpoint's recent requests ([`RecentRequests`]: `[own, fleet]`, the
 /// fleet's where a proxy pools its workers' counts, else the router's own) by more than
-/// [`RecentRequests::SLACK`], when the prefix is
-/// hot: it started [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
+/// [`RecentRequests::SLACK`], when the prefix is hot: it started
+/// [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
 /// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
 /// the same time constant) than the mean endpoint took requests from this router (its own
-/// sample of both), so it cannot fit on one endpoint's fair share. The request then goes where the prediction puts it among the
-/// others: to a copy of the prefix if one is believed anywhere, else it makes one. Some
+/// sample of both), so it cannot fit on one endpoint's fair share. The request then goes
+/// where the prediction puts it among the others: to a copy of the prefix if one is believed
+/// anywhere, else it makes one. Some
 /// eligible endpoint is always left: the least busy one is at most the mean, and the factor is
 /// at least 1. Until the endpoints have taken a request each on average, shares say nothing (a
 /// start's first requests all go where its first prompt went) and nothing is set aside.
