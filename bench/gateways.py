@@ -13,8 +13,8 @@ fresh `prefixroute kv-events` relay:
 The hit rate comes from the replicas' own counters (`prefixroute replay --metrics`). Standard
 library only; only 127.0.0.1 is contacted; every process is killed at the end.
 
-usage: bench/gateways.py [--shape tenants|conversations|mixed] [--spread in-turn|by-group] [--requests N]
-                        [--gateways N]
+usage: bench/gateways.py [--shape tenants|conversations|mixed|rag] [--spread in-turn|by-group]
+                        [--requests N] [--gateways N] [--plugin-wasm WASM]
                         [--policy P] [--placement local|consistent] [--kv-interval-ms MS]
                         [--kv-wait-ms MS] [--only precise|approximate] [--out FILE.json]
 (needs the release plugin, the CLI and Envoy in .venv: run after ./test.sh or bench/setup.sh)
@@ -60,6 +60,13 @@ SHAPES = {
         "trace": ["--shape", "mixed", "--tenants", "16", "--prompt-words", "400",
                   "--question-words", "30", "--rate", "20", "--seed", "16"],
         "replicas": 6, "kv_blocks": 900,
+    },
+    # The sweep's RAG: 8 documents of ~1,900 tokens, each in the user message after one short
+    # instruction every document shares; each replica caches three.
+    "rag": {
+        "trace": ["--shape", "rag", "--tenants", "8", "--prompt-words", "1500",
+                  "--question-words", "20", "--rate", "15", "--seed", "14"],
+        "replicas": 6, "kv_blocks": 380,
     },
 }
 REPLICAS = 3
@@ -200,6 +207,7 @@ def run(work, gateways, index, trace):
 
 
 def main():
+    global KV_INTERVAL_MS, KV_WAIT_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD, PLACEMENT, WASM
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--gateways", type=int, default=2, choices=range(2, 9), metavar="N",
@@ -218,9 +226,11 @@ def main():
     ap.add_argument("--spread", choices=["in-turn", "by-group"], default="in-turn",
                     help="requests to the gateways in turn, or each trace group through one "
                          "(session affinity)")
+    ap.add_argument("--plugin-wasm", type=Path, default=WASM,
+                    help=f"the plugin every gateway loads (default {WASM})")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global KV_INTERVAL_MS, KV_WAIT_MS, POLICY, REPLICAS, KV_BLOCKS, TRACE, SPREAD, PLACEMENT
+    WASM = args.plugin_wasm
     KV_INTERVAL_MS = args.kv_interval_ms
     KV_WAIT_MS = args.kv_wait_ms
     POLICY = args.policy
