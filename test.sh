@@ -33,10 +33,12 @@ envoy/setup.sh
 step "test helpers: pyzmq and msgspec in .venv (a KV-event subscriber with vLLM's schema)"
 .venv/bin/pip install --quiet --disable-pip-version-check pyzmq msgspec
 
-step "lint: cargo fmt --check, cargo clippy -D warnings (host and wasm32-wasip1)"
+step "lint: cargo fmt --check, cargo clippy -D warnings (host and wasm32-wasip1), cargo doc -D warnings"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p prefixroute-plugin --target wasm32-wasip1 -- -D warnings
+# Every intra-doc link resolves (a doc that names a private item says it in plain code).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 step "core builds for both wasm targets; the plugin builds (wasm profile, then wasm-opt)"
 cargo build -p prefixroute-core --target wasm32-wasip1

@@ -43,11 +43,11 @@ pub const CHECKPOINTS_PER_LEVEL: usize = 16;
 /// * the last block of each prefix in `marks` (block counts: where the request's first and
 ///   last few messages begin, see [`crate::hashing::BlockHashes::marks`]), and the grid points
 ///   of its gap up to it (so a gap's grid is held as a prefix up to a recorded end, see
-///   [`grid_to`]);
+///   `grid_to`);
 /// * leaving a believed match of `from` blocks, the grid points from `from` to the next
 ///   checkpoint;
 /// * densely, the blocks around `from`, the request's believed match on the endpoint before
-///   this record, where it leaves what is believed there (see [`window`]); nothing for a cold
+///   this record, where it leaves what is believed there (see `window`); nothing for a cold
 ///   request (`from` 0): a later request sharing part of it is found short once, as below;
 /// * the last block, where the request ends, and the grid of its gap up to it.
 ///

@@ -1492,21 +1492,21 @@ fn blend(hits: f64, trials: f64, prior: f64, weight: f64) -> f64 {
 /// The prior of [`GroupGrowth::first_share`] and its weight in requests. Light, because the
 /// share counts only first turns old enough to have been followed (see there): right after
 /// groups start, the prior is all there is whatever its weight; later the evidence decides.
-const PRIOR_FIRST_SHARE: f64 = 0.9;
-const PRIOR_FIRST_REQUESTS: f64 = 2.0;
+pub const PRIOR_FIRST_SHARE: f64 = 0.9;
+pub const PRIOR_FIRST_REQUESTS: f64 = 2.0;
 
 /// The prior of [`GroupGrowth::mean_gap_ms`] and its weight in gaps: a chat user reads and
 /// types for tens of seconds; one measured gap outweighs it.
-const PRIOR_GAP_MS: f64 = 30_000.0;
-const PRIOR_GAPS: f64 = 0.25;
+pub const PRIOR_GAP_MS: f64 = 30_000.0;
+pub const PRIOR_GAPS: f64 = 0.25;
 /// Bounds of the mean gap, ms, and the longest gap taken as evidence (an hour).
 const MIN_GAP_MS: f64 = 10.0;
-const MAX_GAP_MS: f64 = 3_600_000.0;
+pub const MAX_GAP_MS: f64 = 3_600_000.0;
 
 /// The prior of [`GroupGrowth::later_share`] (the cap) and its weight in continuations (see
 /// there why four times the memory).
-const PRIOR_LATER_SHARE: f64 = MAX_CONTINUATION_SHARE;
-const PRIOR_LATER_REQUESTS: f64 = 200.0;
+pub const PRIOR_LATER_SHARE: f64 = MAX_CONTINUATION_SHARE;
+pub const PRIOR_LATER_REQUESTS: f64 = 200.0;
 
 fn finite_or_zero(v: f64) -> f64 {
     if v.is_finite() {

@@ -79,7 +79,7 @@ use serde::de::DeserializeSeed;
 use visit::{BodyFields, BodySeed, Chat, Scalar};
 
 /// Parses a request body, reading only the fields routing needs, in one pass over the bytes
-/// (see [`visit`]): nothing else of the body is allocated.
+/// (see `visit`): nothing else of the body is allocated.
 pub fn parse_request(body: &[u8]) -> Result<ParsedRequest, RequestError> {
     let not_json = |e: serde_json::Error| RequestError::NotJson(e.to_string());
     let mut de = serde_json::Deserializer::from_slice(body);

@@ -878,7 +878,7 @@ impl<S: PrefixStore> Router<S> {
     }
 
     /// How long ago the request this one continues was committed, ms, if the router still
-    /// remembers it ([`RecentEnds`]): its believed match on the endpoint it continues ends at
+    /// remembers it (`RecentEnds`): its believed match on the endpoint it continues ends at
     /// that request's last full block. Measured for one-chain requests (every chat request;
     /// a batch of prompts is skipped, so the mean gap is a sample), from the decision's own
     /// matches, so that it costs no second lookup.

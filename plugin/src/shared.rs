@@ -122,7 +122,7 @@ pub fn instance_key(slot: u32) -> String {
 /// [`instance_key`]s built once per slot: the ledger names its own record on every publish
 /// (three per request) and each peer's on every route, and a `format!` is an allocation each.
 /// Slots come from the shared registry, where they are small (one per live instance); a
-/// garbled one beyond [`InstanceKeys::MAX`] is formatted each time rather than growing the
+/// garbled one beyond `InstanceKeys::MAX` is formatted each time rather than growing the
 /// table to its number.
 #[derive(Debug, Default)]
 pub struct InstanceKeys {

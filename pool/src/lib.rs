@@ -3,7 +3,7 @@
 //!
 //! * [`validate`] checks one object against the CRD's `openAPIV3Schema` (vendored in
 //!   `pool/src/inferencepool.v1.schema.json`, kept equal to `kind/crds/` by a test) with the
-//!   generic validator in [`schema`], plus the CRD's two CEL rules, and words every error as
+//!   generic validator in [`mod@schema`], plus the CRD's two CEL rules, and words every error as
 //!   the API server does.
 //! * [`resolve`] picks the Pods an endpoint picker would: same namespace, labels matching
 //!   `selector.matchLabels`, condition `Ready` = `"True"`, a `podIP`; one `podIP:port` per

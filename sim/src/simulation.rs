@@ -7,10 +7,11 @@
 //! demo can show one decision at a time.
 //!
 //! The router also keeps what a proxy keeps: the requests it has in flight per replica and the
-//! prefill work of those whose first byte has not come back ([`EndpointWork`]), released when
-//! the first byte and the end of each response happen in simulated time; the prefill rate it
-//! learns from those first bytes; the lanes it learns from the scrapes; and each replica's
-//! cache capacity as its metrics report it (`num_gpu_blocks`), which bounds the belief.
+//! prefill work of those whose first byte has not come back
+//! ([`prefixroute_core::latency::EndpointWork`]), released when the first byte and the end of
+//! each response happen in simulated time; the prefill rate it learns from those first bytes;
+//! the lanes it learns from the scrapes; and each replica's cache capacity as its metrics
+//! report it (`num_gpu_blocks`), which bounds the belief.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;

@@ -1,11 +1,12 @@
 //! prefixroute-web-demo: the browser page's bridge to `prefixroute-core`.
 //!
 //! The page writes no routing logic of its own. The trace comes from
-//! [`TraceSpec::generate`], every decision from core's [`Simulation::step`] (which calls the
-//! router's `pick` and `commit` and serves the request on core's vLLM replica model), and the
-//! comparison table from core's [`simulate`] on the same trace for every policy. This crate only
-//! *reads* core's state and shapes it into JSON for the page: which block hashes each replica
-//! caches, which group a block belongs to, what the router believes each replica holds.
+//! [`TraceSpec::generate`], every decision from the simulator's [`Simulation::step`] (which
+//! calls core's router's `pick` and `commit` and serves the request on the simulator's vLLM
+//! replica model), and the comparison table from [`prefixroute_sim::simulation::simulate`] on
+//! the same trace for every policy. This crate only *reads* core's state and shapes it into
+//! JSON for the page: which block hashes each replica caches, which group a block belongs to,
+//! what the router believes each replica holds.
 //!
 //! [`Demo`] is plain Rust (tested natively with `cargo test -p prefixroute-web-demo`); the
 //! `#[wasm_bindgen]` wrapper [`WebDemo`] turns its results into JSON strings and its errors

@@ -47,8 +47,9 @@ impl Job {
         Job::build(request, block_size, output_tokens, None, true)
     }
 
-    /// [`Job::new`] through `memo` (a system prompt seen before is not tokenized again), with
-    /// the token ids only when `token_ids` (the KV events carry them; nothing else reads them).
+    /// `Job::new` (the tests' constructor) through `memo` (a system prompt seen before is not
+    /// tokenized again), with the token ids only when `token_ids` (the KV events carry them;
+    /// nothing else reads them).
     fn build(
         request: &ParsedRequest,
         block_size: usize,
