@@ -1148,19 +1148,22 @@ pub fn rendezvous(tied: &[usize], key: u64) -> usize {
 pub fn group_head(hashes: &BlockHashes) -> Option<(usize, u64)> {
     let chain = hashes.chains.first()?;
     let marks = hashes.marks.first().map_or(&[][..], Vec::as_slice);
+    // One boundary or none: the head, or the last message's first block after it (see above).
+    let opening = |head: usize| {
+        let last_message = chain.len().saturating_sub(head);
+        let probe_blocks = HEAD_PROBE_TOKENS.div_ceil(hashes.block_size.max(1));
+        let key = if last_message > head && last_message >= probe_blocks {
+            head + 1
+        } else {
+            head
+        };
+        (key, key)
+    };
     let (keyed, held) = match marks {
         [_, second, .., before_last, _] => (*second, (*second).max(*before_last)),
         [_, second, ..] => (*second, *second),
-        [first] => (*first, *first),
-        [] => (1, 1),
-    };
-    let last_message = chain.len().saturating_sub(keyed);
-    let probe_blocks = HEAD_PROBE_TOKENS.div_ceil(hashes.block_size.max(1));
-    let (keyed, held) = if marks.len() <= 1 && last_message > keyed && last_message >= probe_blocks
-    {
-        (keyed + 1, held.max(keyed + 1))
-    } else {
-        (keyed, held)
+        [first] => opening(*first),
+        [] => opening(1),
     };
     let key = *chain.get(keyed.min(chain.len()).checked_sub(1)?)?;
     Some((held.min(chain.len()), key))
