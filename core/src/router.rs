@@ -1135,25 +1135,29 @@ pub fn rendezvous(tied: &[usize], key: u64) -> usize {
 /// * none: the first block (a single-message prompt; its head is not known from one request).
 ///
 /// With one boundary or none, a last message longer than what comes before it and at least
-/// [`HEAD_PROBE_TOKENS`] long moves the key one block on, to that message's first block: such
-/// a request is mostly its last message (a document and the question after it), so its group
-/// is more likely that message's opening than the short head before it, which every document
-/// shares. Keyed by that head, every document of a RAG fleet had one home, which near-ties
-/// all went to, and gateways that had not seen a document yet placed it apart: three
-/// approximate gateways on the sweep's RAG trace had 93.0% hits and a TTFT p95 of 900 ms at
-/// 0.5 ms/token, against 93.7% and 25.5 ms keyed by the document (docs/benchmarks.md). A
-/// tenant's question after its system prompt is shorter than the prompt and keeps its key.
+/// [`HEAD_PROBE_TOKENS`] long moves the key on to the block that ends that message's first
+/// `HEAD_PROBE_TOKENS` tokens: such a request is mostly its last message (a document and the
+/// question after it), so its group is more likely that message's opening than the short head
+/// before it, which every document shares. Keyed by that head, every document of a RAG fleet
+/// had one home, which near-ties all went to, and gateways that had not seen a document yet
+/// placed it apart: three approximate gateways on the sweep's RAG trace had 93.0% hits and a
+/// TTFT p95 of 900 ms at 0.5 ms/token, against 93.7% and 25.5 ms keyed by the document
+/// (docs/benchmarks.md). The opening is read that far in, not at the message's first block,
+/// because a RAG template often starts its user message with words every document shares
+/// ("Context information is below." and a rule, as LlamaIndex's default does), and a first
+/// block of those keys every document alike again. A tenant's question after its system
+/// prompt is shorter than the prompt and keeps its key.
 ///
 /// `None` for a request without a full block.
 pub fn group_head(hashes: &BlockHashes) -> Option<(usize, u64)> {
     let chain = hashes.chains.first()?;
     let marks = hashes.marks.first().map_or(&[][..], Vec::as_slice);
-    // One boundary or none: the head, or the last message's first block after it (see above).
+    // One boundary or none: the head, or the last message's opening after it (see above).
     let opening = |head: usize| {
         let last_message = chain.len().saturating_sub(head);
         let probe_blocks = HEAD_PROBE_TOKENS.div_ceil(hashes.block_size.max(1));
         let key = if last_message > head && last_message >= probe_blocks {
-            head + 1
+            head + probe_blocks
         } else {
             head
         };
@@ -1443,8 +1447,13 @@ mod tests {
             "one boundary: the user message's start"
         );
         let (held, key) = group_head(&first).unwrap();
-        // Keyed by the document's first block, believed held through it.
-        assert_eq!((held, key), (mark + 1, first.chains[0][mark]));
+        // Keyed by the block that ends the document's first HEAD_PROBE_TOKENS tokens (4-token
+        // blocks here), believed held through it.
+        let probe = HEAD_PROBE_TOKENS / 4;
+        assert_eq!(
+            (held, key),
+            (mark + probe, first.chains[0][mark + probe - 1])
+        );
         // Every question of the document has its home; another document has another key.
         assert_eq!(group_head(&ask(1, "who signs it")), Some((held, key)));
         assert_ne!(
@@ -1453,6 +1462,19 @@ mod tests {
         );
         // Keyed by the system prompt, as before, every document would share one home.
         assert_eq!(first.chains[0][mark - 1], ask(2, "x").chains[0][mark - 1]);
+        // A template whose user message opens with words every document shares (LlamaIndex's
+        // default) still keys each document apart, which its first block would not.
+        let templated = |n: usize| {
+            let user = format!(
+                "Context information is below.\n---------------------\n{}\n\
+                 ---------------------\nGiven the context information, answer the query.",
+                document(n)
+            );
+            chat_hashes(&[system, &user])
+        };
+        let (a, b) = (templated(1), templated(2));
+        assert_eq!(a.chains[0][mark], b.chains[0][mark]);
+        assert_ne!(group_head(&a).unwrap().1, group_head(&b).unwrap().1);
 
         // A tenant's question, shorter than its system prompt, keeps the system prompt's key
         // however long the question.
