@@ -1636,6 +1636,20 @@ pub struct Footprint {
     /// ([`LiveGroups::on`] × [`GroupGrowth::live_group_blocks`]): room that is taken soon
     /// although it is free now.
     pub growing_blocks: f64,
+    /// The endpoint is the home every gateway computes for the request's group
+    /// (`placement: consistent`) and this router believes no endpoint holds the group's head:
+    /// it has not seen the group, which another gateway may already have placed there. The
+    /// request takes no room price there as long as its blocks fit in the room believed free
+    /// (nothing is evicted now): every gateway sends the group to its home, so the room it
+    /// takes is taken whichever gateway comes first, and this router's belief of how full the
+    /// home is counts only its own groups (the other endpoints look emptier only because it
+    /// has not seen what the other gateways put there). Priced like anywhere else, three
+    /// approximate gateways each placed a document they had not seen yet on the replica they
+    /// believed emptiest, and one document's questions were prefilled cold on up to three
+    /// replicas (the sweep's RAG over 8 seeds: TTFT p95 18–35× the bound's; docs/benchmarks.md).
+    /// A home believed full is priced as any endpoint: more groups hash to it than it holds,
+    /// and the eviction is real whoever places the group.
+    pub agreed_home: bool,
 }
 
 /// The lanes a prediction assumes on an endpoint: the learned count, but no more than the
@@ -1729,7 +1743,11 @@ pub fn predict(
     } else {
         0.0
     };
-    let room_blocks = (new_blocks as f64 + future) * room.pressure_with(growing);
+    let room_blocks = if footprint.agreed_home && evicted_blocks == 0 {
+        0.0
+    } else {
+        (new_blocks as f64 + future) * room.pressure_with(growing)
+    };
     let block_size = hashes.block_size.max(1) as f64;
     let room_ms = room_blocks * block_size * ms_per_token;
     Prediction {
@@ -2123,6 +2141,26 @@ mod tests {
             predict(&h, &[2], half, garbage, &idle, &config()).room_blocks,
             4.0
         );
+        // The home every gateway sends a group to, when this router has not seen the group,
+        // takes it without a room price; the rest of the prediction is the same.
+        let agreed = Footprint {
+            agreed_home: true,
+            ..starting
+        };
+        let a = predict(&h, &[2], half, agreed, &idle, &config());
+        assert_eq!((a.room_blocks, a.room_ms), (0.0, 0.0));
+        assert_eq!((a.ttft_ms, a.new_blocks), (s.ttft_ms, s.new_blocks));
+        assert_eq!(a.cost_ms, s.cost_ms - s.room_ms);
+        // Unless the home is believed too full for its blocks: then it is priced as anywhere.
+        let nearly_full = CacheRoom {
+            capacity_blocks: 100,
+            believed_blocks: 95,
+        };
+        let f = predict(&h, &[2], nearly_full, agreed, &idle, &config());
+        let anywhere = predict(&h, &[2], nearly_full, starting, &idle, &config());
+        assert_eq!(f.evicted_blocks, 3);
+        assert!(f.room_ms > 0.0);
+        assert_eq!(f.room_ms, anywhere.room_ms);
         // An empty cache costs no room; an unknown capacity neither.
         let e = predict(&h, &[0], empty, starting, &idle, &config());
         assert_eq!(e.room_ms, 0.0);

@@ -292,6 +292,10 @@ pub struct Matches {
     chains: usize,
     /// Per endpoint, the turn of the earlier request this one continues there, if any.
     pub continues: Vec<Option<Turn>>,
+    /// The group's consistent home when no eligible endpoint was believed to hold the group's
+    /// head before the home was (this router has not seen the group): the home takes it
+    /// without a room price (see [`Footprint::agreed_home`]).
+    pub agreed_home: Option<usize>,
 }
 
 impl Matches {
@@ -539,6 +543,10 @@ impl<S: PrefixStore> Router<S> {
         let mut matches = self.believed_matches(hashes);
         let home = self.consistent_home(hashes, &filter.eligible);
         if let Some((home, head)) = home {
+            let unseen = (0..n).all(|e| {
+                !filter.eligible[e] || matches.of(e).first().is_none_or(|&held| held < head)
+            });
+            matches.agreed_home = unseen.then_some(home);
             matches.believe_at_least(home, 0, head);
         }
         let cold = !(0..n).any(|e| filter.eligible[e] && matches.of(e).iter().any(|&b| b > 0));
@@ -636,6 +644,7 @@ impl<S: PrefixStore> Router<S> {
             blocks,
             chains,
             continues,
+            agreed_home: None,
         }
     }
 
@@ -701,6 +710,7 @@ impl<S: PrefixStore> Router<S> {
                             future_blocks,
                             growing_blocks: self.live.on(i, self.now_ms, gap_ms)
                                 * live_group_blocks,
+                            agreed_home: matches.agreed_home == Some(i),
                         },
                         &loads[i].latency,
                         &self.config.latency,
@@ -1560,6 +1570,54 @@ mod tests {
             })
             .count();
         assert!(parted >= 5, "{parted}");
+    }
+
+    #[test]
+    fn a_document_the_router_has_not_seen_goes_to_its_home_however_full_it_believes_the_home() {
+        let config = RouterConfig {
+            policy: Policy::Latency,
+            placement: Placement::Consistent,
+            index_capacity_blocks: 1500,
+            ..RouterConfig::default()
+        };
+        let mut r = Router::new(config, 4);
+        // One short instruction every document shares, then a document of 2,000 tokens (500
+        // blocks of 4) and its question.
+        let question = |d: usize, q: usize| {
+            chat_hashes(&[
+                "Answer from the document only.",
+                &format!(
+                    "document {d}: {} question {q}: what does it say about item {q}, and why?",
+                    "facts ".repeat(2000)
+                ),
+            ])
+        };
+        let first = question(0, 0);
+        let d = r.pick(&first, &idle(4)).unwrap();
+        r.commit(&d, &first);
+        let home = d.endpoint;
+        // Another document with the same home, which this router believes a third full (the
+        // other endpoints empty): another gateway may have placed it there already. Priced for
+        // room (over 300 ms of prefill), the home would lose to an empty endpoint by far more
+        // than the head it is believed to hold saves (68 ms).
+        let doc = (1..100)
+            .find(|&d| {
+                let (_, key) = group_head(&question(d, 0)).unwrap();
+                rendezvous(&[0, 1, 2, 3], key) == home
+            })
+            .unwrap();
+        let other = question(doc, 0);
+        let d = r.pick(&other, &idle(4)).unwrap();
+        assert_eq!((d.endpoint, d.home), (home, Some(home)));
+        let at_home = d.scores[home].prediction.unwrap();
+        assert_eq!(at_home.room_ms, 0.0);
+        assert!(r.store.room(home).believed_blocks > 0);
+        r.commit(&d, &other);
+        // Its next question: the router has seen the document, and the home's room is priced
+        // as anywhere (the question's new block).
+        let next = r.pick(&question(doc, 1), &idle(4)).unwrap();
+        assert_eq!(next.endpoint, home);
+        assert!(next.scores[home].prediction.unwrap().room_ms > 0.0);
     }
 
     #[test]
