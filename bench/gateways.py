@@ -226,6 +226,9 @@ def main():
     ap.add_argument("--spread", choices=["in-turn", "by-group"], default="in-turn",
                     help="requests to the gateways in turn, or each trace group through one "
                          "(session affinity)")
+    ap.add_argument("--seed", type=int,
+                    help="the trace's seed instead of the shape's own (the simulator's "
+                         "`bench/sim_seeds.py` finds the seeds worth a real run)")
     ap.add_argument("--plugin-wasm", type=Path, default=WASM,
                     help=f"the plugin every gateway loads (default {WASM})")
     ap.add_argument("--out")
@@ -237,7 +240,9 @@ def main():
     PLACEMENT = args.placement
     SPREAD = args.spread
     shape = SHAPES[args.shape]
-    REPLICAS, KV_BLOCKS, TRACE = shape["replicas"], shape["kv_blocks"], shape["trace"]
+    REPLICAS, KV_BLOCKS, TRACE = shape["replicas"], shape["kv_blocks"], list(shape["trace"])
+    if args.seed is not None:
+        TRACE[TRACE.index("--seed") + 1] = str(args.seed)
     for path in (CLI, WASM, ENVOY):
         if not path.exists():
             sys.exit(f"gateways: {path} is missing (build first: ./test.sh or bench/setup.sh)")
