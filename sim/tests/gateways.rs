@@ -261,7 +261,7 @@ fn rag(seed: u64) -> Vec<TraceRecord> {
 fn approximate_gateways_with_consistent_placement_agree_where_each_document_lives() {
     let (one, local, consistent) = one_and_three_gateways(&rag(14), six_replicas(380, 0.5));
     // Measured: one gateway 95.6% and 25.0 ms; three local 92.3% and 899.5 ms; three
-    // consistent 95.6% and 25.0 ms (93.7% and 25.5 ms keyed by the document's first block,
+    // consistent 95.0% and 25.5 ms (93.7% and 25.5 ms keyed by the document's first block,
     // before a new group's home took it without a room price).
     assert!(
         consistent.ttft_p95_ms <= 1.1 * one.ttft_p95_ms,
