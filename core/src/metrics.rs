@@ -379,6 +379,9 @@ pub struct ServerMetrics {
     pub kv_cache_usage_perc: Option<f64>,
     pub prefix_cache_queries_total: Option<f64>,
     pub prefix_cache_hits_total: Option<f64>,
+    /// Requests the server finished (every finish reason, every engine): with several
+    /// gateways in front, the only count of its requests that includes the other gateways'.
+    pub request_success_total: Option<f64>,
     pub block_size: Option<u32>,
     /// Summed over engines: the router sees one endpoint, whose cache is the union of them.
     pub num_gpu_blocks: Option<u64>,
@@ -428,6 +431,7 @@ pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> Se
     let mut queries_bare = Acc::default();
     let mut hits_total = Acc::default();
     let mut hits_bare = Acc::default();
+    let mut success_total = Acc::default();
     let mut block_size: Option<u32> = None;
     let mut block_size_conflict = false;
     let mut num_gpu_blocks: Option<u64> = None;
@@ -453,6 +457,7 @@ pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> Se
             "prefix_cache_queries" => &mut queries_bare,
             "prefix_cache_hits_total" => &mut hits_total,
             "prefix_cache_hits" => &mut hits_bare,
+            "request_success_total" => &mut success_total,
             "cache_config_info" => {
                 // vLLM fills these labels from its config's string form, so before the memory
                 // profile finishes `num_gpu_blocks` reads "None"; such series are skipped.
@@ -479,6 +484,7 @@ pub fn extract_vllm(samples: &[Sample], prefix: &str, model: Option<&str>) -> Se
         kv_cache_usage_perc: kv_usage.mean().or_else(|| gpu_usage.mean()),
         prefix_cache_queries_total: queries_total.total().or_else(|| queries_bare.total()),
         prefix_cache_hits_total: hits_total.total().or_else(|| hits_bare.total()),
+        request_success_total: success_total.total(),
         // Engines that disagree on block size cannot share one hashing scheme; reporting
         // nothing makes the caller fall back to its configured size instead of guessing.
         block_size: if block_size_conflict {
@@ -541,6 +547,10 @@ vllm:prefix_cache_queries_created{engine="1",model_name="meta-llama/Llama-3.1-8B
 # TYPE vllm:prefix_cache_hits_total counter
 vllm:prefix_cache_hits_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 640.0
 vllm:prefix_cache_hits_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 160.0
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 30.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
@@ -573,7 +583,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
     #[test]
     fn realistic_scrape_parses_every_sample() {
         let samples = parse_text(VLLM_SCRAPE).unwrap();
-        assert_eq!(samples.len(), 22);
+        assert_eq!(samples.len(), 24);
         assert_eq!(samples[2].name, "process_resident_memory_bytes");
         assert!(samples[2].labels.is_empty());
         assert_eq!(samples[2].value, 2_147_483_648.0);
@@ -613,6 +623,7 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="F
                 kv_cache_usage_perc: Some(0.5),
                 prefix_cache_queries_total: Some(2000.0),
                 prefix_cache_hits_total: Some(800.0),
+                request_success_total: Some(42.0),
                 block_size: Some(16),
                 num_gpu_blocks: Some(53_500),
             }
@@ -696,6 +707,16 @@ vllm:cache_config_info{block_size=\"32\",num_gpu_blocks=\"1000\"} 1
                 .kv_cache_usage_perc,
             Some(0.4)
         );
+    }
+
+    #[test]
+    fn finished_requests_sum_every_reason() {
+        let text = "vllm:request_success_total{finished_reason=\"stop\"} 7\n\
+                    vllm:request_success_total{finished_reason=\"abort\"} 2\n";
+        let m = parse_vllm(text, DEFAULT_PREFIX, None).unwrap();
+        assert_eq!(m.request_success_total, Some(9.0));
+        let none = parse_vllm("vllm:num_requests_running 1\n", DEFAULT_PREFIX, None).unwrap();
+        assert_eq!(none.request_success_total, None);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::hashing::BlockHashes;
 use crate::index::{PrefixIndex, PrefixStore, Turn};
 use crate::latency::{
     copy_credit_ms, predict, CacheRoom, Footprint, GroupGrowth, LiveGroups, Prediction,
-    PrefixRates, RecentRequests,
+    PrefixRates, RecentRequests, ServedRequests,
 };
 use crate::scorer::{kv_cache_scores, no_hit_lru_scores, prefix_score, queue_scores};
 
@@ -416,6 +416,10 @@ pub struct Router<S: PrefixStore = PrefixIndex> {
     /// The requests every router of a proxy sent each endpoint lately, when its caller pools
     /// them ([`Router::set_fleet_recent`]): what the bounded share weighs a holder's load by.
     fleet_recent: Option<RecentRequests>,
+    /// The requests each endpoint finished lately, every gateway's, by its own counter
+    /// ([`Router::observe_served`]): what the bounded share weighs a holder's load by when
+    /// every eligible endpoint reports it.
+    served: ServedRequests,
     /// The request's first block hash while it is picked: exact ties go where it hashes
     /// highest (see [`rendezvous`]).
     tie_key: Option<u64>,
@@ -447,6 +451,7 @@ impl<S: PrefixStore> Router<S> {
             starts: PrefixRates::default(),
             recent: RecentRequests::new(endpoints),
             fleet_recent: None,
+            served: ServedRequests::new(endpoints),
             tie_key: None,
             tie_home: None,
         }
@@ -476,6 +481,7 @@ impl<S: PrefixStore> Router<S> {
         self.live = LiveGroups::new(endpoints);
         self.recent = RecentRequests::new(endpoints);
         self.fleet_recent = None;
+        self.served = ServedRequests::new(endpoints);
         self.next_round_robin = self.next_round_robin.min(endpoints.saturating_sub(1));
     }
 
@@ -773,10 +779,12 @@ impl<S: PrefixStore> Router<S> {
                         &mut scores,
                         held,
                         per_holder,
-                        [
-                            &self.recent,
-                            self.fleet_recent.as_ref().unwrap_or(&self.recent),
-                        ],
+                        [&self.recent, {
+                            let own = self.fleet_recent.as_ref().unwrap_or(&self.recent);
+                            self.served
+                                .beyond(own, &filter.eligible, self.now_ms)
+                                .unwrap_or(own)
+                        }],
                         factor,
                         self.now_ms,
                     );
@@ -971,6 +979,12 @@ impl<S: PrefixStore> Router<S> {
     /// sample. Why: a worker's own counts are a small sample in a trace's first seconds, and
     /// one that saw five of a document's six requests found its holder over twice the mean
     /// and copied a document the fleet's counts put well under it (docs/benchmarks.md).
+    /// `endpoint`'s scrape taken at `at_ms` counted `total` finished requests
+    /// (`vllm:request_success_total`); call once per scrape.
+    pub fn observe_served(&mut self, endpoint: usize, total: f64, at_ms: f64) {
+        self.served.observe(endpoint, total, at_ms);
+    }
+
     pub fn set_fleet_recent(&mut self, fleet: &RecentRequests) {
         match &mut self.fleet_recent {
             Some(mine) => mine.clone_from(fleet),

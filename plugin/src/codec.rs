@@ -15,7 +15,7 @@ use prefixroute_core::Turn;
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 8;
+pub const LAYOUT: u8 = 9;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -113,7 +113,7 @@ impl<'a> Reader<'a> {
 /// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | window_start u64 |
 /// fill u64 | dead shift u8 | dead mask u16 | one u16 per set mask bit | capacity_tokens u64 |
 /// calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 | truth_epoch u64 |
-/// metrics mask u8 | one f64 per set mask bit`. 80 to 168 bytes. Flags: 1 = down, 2 = precise.
+/// metrics mask u16 | one f64 per set mask bit`. 81 to 177 bytes. Flags: 1 = down, 2 = precise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
@@ -206,18 +206,18 @@ impl EndpointState {
         w.u64(self.last_cold);
         w.u64(self.truth_epoch);
         match &self.metrics {
-            None => w.u8(0),
+            None => w.u16(0),
             Some(m) => {
-                // Bit 7 marks "metrics present" so a scrape with no known series is still a
-                // (measured, empty) scrape; bits 0..6 say which fields follow.
+                // Bit 15 marks "metrics present" so a scrape with no known series is still a
+                // (measured, empty) scrape; bits 0..8 say which fields follow.
                 let fields = metric_fields(m);
-                let mut mask = 0x80u8;
+                let mut mask = METRICS_PRESENT;
                 for (bit, value) in fields.iter().enumerate() {
                     if value.is_some() {
                         mask |= 1 << bit;
                     }
                 }
-                w.u8(mask);
+                w.u16(mask);
                 for value in fields.into_iter().flatten() {
                     w.f64(value);
                 }
@@ -249,11 +249,11 @@ impl EndpointState {
         let scraped_at_ms = r.u64()?;
         let last_cold = r.u64()?;
         let truth_epoch = r.u64()?;
-        let mask = r.u8()?;
-        let metrics = if mask & 0x80 == 0 {
+        let mask = r.u16()?;
+        let metrics = if mask & METRICS_PRESENT == 0 {
             None
         } else {
-            let mut fields = [None; 7];
+            let mut fields = [None; METRIC_FIELDS];
             for (bit, field) in fields.iter_mut().enumerate() {
                 if mask & (1 << bit) != 0 {
                     *field = Some(r.f64()?);
@@ -267,6 +267,7 @@ impl EndpointState {
                 prefix_cache_hits_total: fields[4],
                 block_size: fields[5].map(|v| v as u32),
                 num_gpu_blocks: fields[6].map(|v| v as u64),
+                request_success_total: fields[7],
             })
         };
         Some(EndpointState {
@@ -288,7 +289,11 @@ impl EndpointState {
     }
 }
 
-fn metric_fields(m: &ServerMetrics) -> [Option<f64>; 7] {
+/// The metrics mask's "a scrape was read" bit (see [`EndpointState`]'s layout).
+const METRICS_PRESENT: u16 = 1 << 15;
+const METRIC_FIELDS: usize = 8;
+
+fn metric_fields(m: &ServerMetrics) -> [Option<f64>; METRIC_FIELDS] {
     [
         m.num_requests_waiting,
         m.num_requests_running,
@@ -298,6 +303,7 @@ fn metric_fields(m: &ServerMetrics) -> [Option<f64>; 7] {
         m.block_size.map(f64::from),
         // Block counts are far below 2^53, so the f64 round trip is exact.
         m.num_gpu_blocks.map(|v| v as f64),
+        m.request_success_total,
     ]
 }
 
@@ -771,6 +777,7 @@ mod tests {
             kv_cache_usage_perc: Some(0.25),
             prefix_cache_queries_total: Some(1e9),
             prefix_cache_hits_total: Some(12345.0),
+            request_success_total: Some(4321.0),
             block_size: Some(16),
             num_gpu_blocks: Some(1 << 40),
         }
@@ -794,19 +801,19 @@ mod tests {
             truth_epoch: 99,
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 80);
+        assert_eq!(s.encode().len(), 81);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.dead.shift = 5;
         s.dead.counts[3] = 9;
         s.dead.counts[15] = u16::MAX;
         assert_eq!(
             s.encode().len(),
-            80 + 2 * 2,
+            81 + 2 * 2,
             "only the epochs with dead positions"
         );
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 80 + 2 * 2 + 7 * 8);
+        assert_eq!(s.encode().len(), 81 + 2 * 2 + 8 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(ServerMetrics::default());

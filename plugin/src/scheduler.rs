@@ -139,9 +139,10 @@ pub struct Scheduler<H: SharedData> {
     /// The last request's block hashes: the next one is hashed into their vectors.
     hashes: BlockHashes,
     tick_ms: u64,
-    /// Per endpoint, the last scrape this worker saw (its `scraped_at_ms`) and how many of
-    /// the router's requests were in flight there then (core's `ServerQueue::sent_then`).
-    scrape_seen: Vec<(u64, u32)>,
+    /// Per endpoint, the last scrape this worker saw (its `scraped_at_ms`), how many of the
+    /// router's requests were in flight there then (core's `ServerQueue::sent_then`), and its
+    /// finished-request counter until the router has read it (`Router::observe_served`).
+    scrape_seen: Vec<(u64, u32, Option<f64>)>,
 }
 
 impl<H: SharedData> Scheduler<H> {
@@ -386,9 +387,9 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_live_groups(&pooled.live);
         self.router.set_fleet_recent(&pooled.recent);
         let stale_after = self.config.scrape.stale_after_ms;
-        self.scrape_seen.resize(endpoints, (0, 0));
+        self.scrape_seen.resize(endpoints, (0, 0, None));
         let seen = &mut self.scrape_seen;
-        (0..endpoints)
+        let loads = (0..endpoints)
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
                 let (capacity, mut load) = self.router.store().with_endpoint_state(e, |state| {
@@ -401,7 +402,8 @@ impl<H: SharedData> Scheduler<H> {
                     let work = pooled.work[e];
                     let seen = &mut seen[e];
                     if seen.0 != state.scraped_at_ms {
-                        *seen = (state.scraped_at_ms, work.in_flight);
+                        let served = state.metrics.as_ref().and_then(|m| m.request_success_total);
+                        *seen = (state.scraped_at_ms, work.in_flight, served);
                     }
                     (
                         scaled_capacity(capacity, state.calibration),
@@ -417,7 +419,13 @@ impl<H: SharedData> Scheduler<H> {
                 learned.apply_to(e, &mut load.latency);
                 load
             })
-            .collect()
+            .collect();
+        for (e, seen) in self.scrape_seen.iter_mut().enumerate() {
+            if let Some(total) = seen.2.take() {
+                self.router.observe_served(e, total, seen.0 as f64);
+            }
+        }
+        loads
     }
 
     /// Shares a cold pick: the endpoint's `last_cold` becomes the router's new stamp (one past

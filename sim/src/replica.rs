@@ -205,6 +205,8 @@ pub struct ReplicaSim {
     timing: ReplicaTiming,
     lane_free_at: Vec<f64>,
     in_flight: VecDeque<InFlight>,
+    /// Requests ever admitted (what `vllm:request_success_total` counts, less those in flight).
+    admitted: u64,
     /// What the cache did, per prompt index, when the replica publishes its KV events
     /// ([`ReplicaSim::publish_changes`]).
     changes: Option<Vec<(usize, CacheChange)>>,
@@ -217,6 +219,7 @@ impl ReplicaSim {
             timing,
             lane_free_at: vec![0.0; timing.lanes.max(1)],
             in_flight: VecDeque::new(),
+            admitted: 0,
             changes: None,
         }
     }
@@ -250,6 +253,12 @@ impl ReplicaSim {
     /// Requests admitted but not yet started (`vllm:num_requests_waiting`) at `now_ms`.
     pub fn waiting(&self, now_ms: f64) -> usize {
         self.live(now_ms).filter(|r| r.start_ms > now_ms).count()
+    }
+
+    /// Requests finished by `now_ms` (`vllm:request_success_total`), for a scrape at or after
+    /// the last admission.
+    pub fn finished(&self, now_ms: f64) -> u64 {
+        self.admitted - self.live(now_ms).count() as u64
     }
 
     /// Requests being served (`vllm:num_requests_running`) at `now_ms`.
@@ -341,6 +350,7 @@ impl ReplicaSim {
             start_ms + prefill_ms + output_tokens as f64 * self.timing.decode_ms_per_token;
         self.lane_free_at[lane] = finish_ms;
         let block_size = self.cache.block_size();
+        self.admitted += 1;
         self.in_flight.push_back(InFlight {
             start_ms,
             end_ms: finish_ms,

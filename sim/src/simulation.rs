@@ -328,6 +328,7 @@ fn scraped(replica: &ReplicaSim, at_ms: f64) -> ServerMetrics {
         num_requests_waiting: Some(replica.waiting(at_ms) as f64),
         num_requests_running: Some(replica.running(at_ms) as f64),
         kv_cache_usage_perc: Some(replica.kv_usage(at_ms)),
+        request_success_total: Some(replica.finished(at_ms) as f64),
         ..ServerMetrics::default()
     }
 }
@@ -676,9 +677,17 @@ impl Simulation {
             if gateway.scrape.as_ref().is_some_and(|s| s.at_ms == at_ms) {
                 continue;
             }
+            let replicas: Vec<ServerMetrics> =
+                self.replicas.iter().map(|r| scraped(r, at_ms)).collect();
+            // As the plugin does when its worker first sees a scrape come back.
+            for (e, m) in replicas.iter().enumerate() {
+                if let Some(total) = m.request_success_total {
+                    gateway.router.observe_served(e, total, at_ms);
+                }
+            }
             gateway.scrape = Some(Scrape {
                 at_ms,
-                replicas: self.replicas.iter().map(|r| scraped(r, at_ms)).collect(),
+                replicas,
                 sent_then: None,
             });
         }
