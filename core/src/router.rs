@@ -1256,8 +1256,10 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
 
 /// Sets aside, for a group's first request, each eligible endpoint that holds the request's
 /// prefix (the `held` blocks of the longest believed match) and has taken more than `factor`
-/// times the mean eligible endpoint's recent requests ([`RecentRequests`]: `[own, fleet]`, the
-/// fleet's where a proxy pools its workers' counts, else the router's own) by more than
+/// times the mean eligible endpoint's recent requests ([`RecentRequests`]: `[own, fleet]`; the
+/// fleet's are what the servers report finishing where other gateways send a quarter or more
+/// of them ([`ServedRequests::beyond`]), else what a proxy's workers pooled, else the router's
+/// own) by more than
 /// [`RecentRequests::SLACK`], when the prefix is hot: it started
 /// [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
 /// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
