@@ -139,10 +139,20 @@ pub struct Scheduler<H: SharedData> {
     /// The last request's block hashes: the next one is hashed into their vectors.
     hashes: BlockHashes,
     tick_ms: u64,
-    /// Per endpoint, the last scrape this worker saw (its `scraped_at_ms`), how many of the
-    /// router's requests were in flight there then (core's `ServerQueue::sent_then`), and its
-    /// finished-request counter until the router has read it (`Router::observe_served`).
-    scrape_seen: Vec<(u64, u32, Option<f64>)>,
+    /// Per endpoint, the last scrape this worker saw.
+    scrape_seen: Vec<SeenScrape>,
+}
+
+/// The last scrape of one endpoint a worker saw.
+#[derive(Debug, Clone, Copy, Default)]
+struct SeenScrape {
+    /// Its `scraped_at_ms`.
+    at_ms: u64,
+    /// The router's requests in flight there when the worker first saw it (core's
+    /// `ServerQueue::sent_then`).
+    sent_then: u32,
+    /// Its finished-request counter, until the router has read it (`Router::observe_served`).
+    served: Option<f64>,
 }
 
 impl<H: SharedData> Scheduler<H> {
@@ -387,7 +397,7 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_live_groups(&pooled.live);
         self.router.set_fleet_recent(&pooled.recent);
         let stale_after = self.config.scrape.stale_after_ms;
-        self.scrape_seen.resize(endpoints, (0, 0, None));
+        self.scrape_seen.resize(endpoints, SeenScrape::default());
         let seen = &mut self.scrape_seen;
         let loads = (0..endpoints)
             .map(|e| {
@@ -401,16 +411,19 @@ impl<H: SharedData> Scheduler<H> {
                     let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
                     let work = pooled.work[e];
                     let seen = &mut seen[e];
-                    if seen.0 != state.scraped_at_ms {
-                        let served = state.metrics.as_ref().and_then(|m| m.request_success_total);
-                        *seen = (state.scraped_at_ms, work.in_flight, served);
+                    if seen.at_ms != state.scraped_at_ms {
+                        *seen = SeenScrape {
+                            at_ms: state.scraped_at_ms,
+                            sent_then: work.in_flight,
+                            served: state.metrics.as_ref().and_then(|m| m.request_success_total),
+                        };
                     }
                     (
                         scaled_capacity(capacity, state.calibration),
                         estimate_load(
                             metrics,
                             work,
-                            Some(seen.1),
+                            Some(seen.sent_then),
                             state.down || !self.pool.members[e].routable,
                         ),
                     )
@@ -421,8 +434,8 @@ impl<H: SharedData> Scheduler<H> {
             })
             .collect();
         for (e, seen) in self.scrape_seen.iter_mut().enumerate() {
-            if let Some(total) = seen.2.take() {
-                self.router.observe_served(e, total, seen.0 as f64);
+            if let Some(total) = seen.served.take() {
+                self.router.observe_served(e, total, seen.at_ms as f64);
             }
         }
         loads
