@@ -1053,13 +1053,15 @@ impl ServedRequests {
         }
     }
 
-    /// `endpoint`'s counter read `total` in a scrape taken at `at_ms`.
-    pub fn observe(&mut self, endpoint: usize, total: f64, at_ms: f64) {
+    /// `endpoint`'s counter read `total` in a scrape taken at `at_ms`. `false` when the
+    /// reading is refused (a count that is negative or not a number, or no clock): it changes
+    /// nothing. A counter lower than before is a server that restarted, a new baseline.
+    pub fn observe(&mut self, endpoint: usize, total: f64, at_ms: f64) -> bool {
         let Some((last, counted)) = self.last.get_mut(endpoint) else {
-            return;
+            return true;
         };
         if !(total >= 0.0 && total.is_finite() && at_ms.is_finite()) {
-            return;
+            return false;
         }
         match *last {
             Some(before) if total >= before => {
@@ -1069,6 +1071,7 @@ impl ServedRequests {
             _ => {}
         }
         *last = Some(total);
+        true
     }
 
     /// The counts, where they say more than `own` (the requests this router, or every worker
@@ -2186,12 +2189,15 @@ mod tests {
         assert!(served.beyond(&own, &both, 1000.0).is_some());
         own.record(1, 1000.0);
         assert_eq!(served.beyond(&own, &both, 1000.0), None);
-        // A counter that went back (a restart) is a new baseline, and garbage adds nothing.
-        served.observe(0, 5.0, 2000.0);
-        served.observe(0, f64::NAN, 2000.0);
-        served.observe(0, -1.0, 2000.0);
+        // A counter that went back (a restart) is a new baseline, and garbage adds nothing
+        // and is refused (for the caller to count).
+        assert!(served.observe(0, 5.0, 2000.0));
+        assert!(!served.observe(0, f64::NAN, 2000.0));
+        assert!(!served.observe(0, -1.0, 2000.0));
+        assert!(!served.observe(0, f64::INFINITY, 2000.0));
+        assert!(!served.observe(0, 6.0, f64::NAN));
         served.observe(7, 1.0, 2000.0);
-        served.observe(0, 5.0, 2000.0);
+        assert!(served.observe(0, 5.0, 2000.0));
         let count_at = |served: &ServedRequests, at: f64| {
             served
                 .beyond(&RecentRequests::new(2), &both, at)

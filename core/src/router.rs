@@ -971,20 +971,19 @@ impl<S: PrefixStore> Router<S> {
         &self.live
     }
 
-    /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
-    /// the router's own, which keeps its room: a proxy does this on every route).
+    /// `endpoint`'s scrape taken at `at_ms` counted `total` finished requests
+    /// (`vllm:request_success_total`); call once per scrape. `false` when the reading was
+    /// refused (negative or not a number), for the caller to count.
+    pub fn observe_served(&mut self, endpoint: usize, total: f64, at_ms: f64) -> bool {
+        self.served.observe(endpoint, total, at_ms)
+    }
+
     /// The requests every router of this proxy sent each endpoint lately (a proxy's workers
     /// pool their counts in shared data), for the bounded share's holder test; this router's
     /// own counts still say whether a prefix is hot, since its prefix starts are its own
     /// sample. Why: a worker's own counts are a small sample in a trace's first seconds, and
     /// one that saw five of a document's six requests found its holder over twice the mean
     /// and copied a document the fleet's counts put well under it (docs/benchmarks.md).
-    /// `endpoint`'s scrape taken at `at_ms` counted `total` finished requests
-    /// (`vllm:request_success_total`); call once per scrape.
-    pub fn observe_served(&mut self, endpoint: usize, total: f64, at_ms: f64) {
-        self.served.observe(endpoint, total, at_ms);
-    }
-
     pub fn set_fleet_recent(&mut self, fleet: &RecentRequests) {
         match &mut self.fleet_recent {
             Some(mine) => mine.clone_from(fleet),
@@ -992,6 +991,8 @@ impl<S: PrefixStore> Router<S> {
         }
     }
 
+    /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
+    /// the router's own, which keeps its room: a proxy does this on every route).
     pub fn set_live_groups(&mut self, live: &LiveGroups) {
         let LiveGroups { count, at_ms } = live;
         self.live.count.clone_from(count);

@@ -157,6 +157,11 @@ impl Ledger {
         self.peers.len()
     }
 
+    /// Counts a refused observation made elsewhere (a scrape's counter the router refused).
+    pub fn count_refused(&mut self) {
+        self.counts.refused_observations += 1;
+    }
+
     pub fn take_counts(&mut self) -> LedgerCounts {
         std::mem::take(&mut self.counts)
     }

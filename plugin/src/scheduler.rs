@@ -435,7 +435,11 @@ impl<H: SharedData> Scheduler<H> {
             .collect();
         for (e, seen) in self.scrape_seen.iter_mut().enumerate() {
             if let Some(total) = seen.served.take() {
-                self.router.observe_served(e, total, seen.at_ms as f64);
+                // Refused readings are counted with the refused first bytes (drained with the
+                // ledger's counts when the request is steered).
+                if !self.router.observe_served(e, total, seen.at_ms as f64) {
+                    self.ledger.count_refused();
+                }
             }
         }
         loads
@@ -1700,6 +1704,35 @@ mod tests {
         );
         let learned = &e.ledger.totals(&host, 100).learned;
         assert!(learned.rates.iter().all(|r| r.work_tokens == 0.0));
+    }
+
+    #[test]
+    fn a_negative_finished_request_counter_is_counted_and_teaches_nothing() {
+        let host = MemShared::new();
+        let mut e = Scheduler::new(host.clone(), config(2, Policy::Latency));
+        let counter = |total: &str| {
+            format!("vllm:num_requests_waiting 0\nvllm:request_success_total {total}\n")
+        };
+        tick_and_scrape(&mut e, 0, &[Some(counter("-3")), Some(counter("7"))]);
+        e.drain_events();
+        e.route(&chat("s", "q"), 10);
+        let events = e.drain_events();
+        assert!(
+            events.contains(&Event::Observations {
+                used: 0,
+                refused: 1
+            }),
+            "{events:?}"
+        );
+        // Read once per scrape: the next request of the same scrape counts nothing again.
+        e.route(&chat("s", "q2"), 20);
+        let again = e.drain_events();
+        assert!(
+            !again
+                .iter()
+                .any(|ev| matches!(ev, Event::Observations { .. })),
+            "{again:?}"
+        );
     }
 
     #[test]

@@ -53,7 +53,9 @@ pub enum Event {
     CapacityUnreported(usize),
     /// First bytes the prefill model learned from, and absurd ones it refused (zero,
     /// negative, hours): those leave the model at what it knew (the prior at first). Refused
-    /// also counts groups' gaps between requests that were negative or over an hour.
+    /// also counts groups' gaps between requests that were negative or over an hour, and
+    /// finished-request counters (`vllm:request_success_total`) that were negative or not a
+    /// number, once by every worker that reads the scrape.
     Observations {
         used: u32,
         refused: u32,
