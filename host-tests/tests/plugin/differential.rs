@@ -40,6 +40,9 @@ struct Mirror {
     /// The last scrape a route used and the requests in flight then (the plugin's rule for
     /// core's `ServerQueue::sent_then`).
     seen: Vec<(u64, u32)>,
+    /// Each endpoint's finished-request counter from a scrape a route has just seen for the
+    /// first time, until the router reads it (the plugin's rule for `Router::observe_served`).
+    served: Vec<Option<f64>>,
 }
 
 /// What a scrape answer tells the plugin.
@@ -59,6 +62,7 @@ impl Mirror {
             answered: vec![0; N],
             capacity_tokens: vec![0; N],
             seen: vec![(0, 0); N],
+            served: vec![None; N],
         }
     }
 
@@ -126,6 +130,9 @@ impl Mirror {
         let work = ledger.work[e];
         if self.seen[e].0 != self.scraped_at[e] {
             self.seen[e] = (self.scraped_at[e], work.in_flight);
+            self.served[e] = self.metrics[e]
+                .as_ref()
+                .and_then(|m| m.request_success_total);
         }
         let fresh = self.metrics[e]
             .as_ref()
@@ -142,7 +149,8 @@ fn mix(mut x: u64) -> u64 {
 
 /// The k-th scrape answer of endpoint e: mostly a generated vLLM page; endpoint 3 fails three
 /// times in a row (timeout, reset, 503) and comes back; endpoint 1 serves one page that is not
-/// Prometheus text; endpoint 2 restarts (its query counter goes back) once.
+/// Prometheus text; endpoint 2 restarts (its query and finished-request counters go back)
+/// once; endpoint 4 reports a negative finished-request count once.
 fn answer(e: usize, k: u32, seed: u64) -> CalloutReply {
     match (e, k) {
         (3, 3) => return CalloutReply::Timeout,
@@ -157,11 +165,22 @@ fn answer(e: usize, k: u32, seed: u64) -> CalloutReply {
     } else {
         1000 * (u64::from(k) + 1)
     };
+    // Finished requests: fast enough that the servers' counts stand in for the router's own
+    // in the bounded share (they must exceed what the router sent by a third), and uneven
+    // (other gateways keep endpoint 0 busy), so that they decide where a hot prefix's
+    // holder is over its share.
+    let finished = match (e, k) {
+        (2, 6..) => format!("{}", 30 * u64::from(k)),
+        (4, 5) => "-7".to_string(),
+        (0, _) => format!("{}", 3000 * (u64::from(k) + 1)),
+        _ => format!("{}", 300 * (u64::from(k) + 1) + (h >> 24) % 50),
+    };
     let mut page = format!(
         "# HELP vllm:num_requests_waiting Requests waiting.\n# TYPE vllm:num_requests_waiting gauge\n\
          vllm:num_requests_waiting{{engine=\"0\",model_name=\"cc-sim\"}} {}\n\
          vllm:num_requests_running{{engine=\"0\",model_name=\"cc-sim\"}} {}.0\n\
-         vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"cc-sim\"}} {queries}\n",
+         vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"cc-sim\"}} {queries}\n\
+         vllm:request_success_total{{engine=\"0\",finished_reason=\"stop\",model_name=\"cc-sim\"}} {finished}\n",
         h % 7,
         (h >> 8) % 5,
     );
@@ -210,6 +229,8 @@ struct Run {
     with_unmeasured: usize,
     /// First bytes the model learned from on the core side.
     learned: usize,
+    /// Finished-request counters core's router refused (the plugin counts them refused).
+    refused_counters: usize,
     /// The most blocks core believed any endpoint held, as a share of its capacity.
     fullest: f64,
     /// Requests whose blocks evicted believed ones on core's side. While there are none, no
@@ -265,6 +286,7 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
         with_down: 0,
         with_unmeasured: 0,
         learned: 0,
+        refused_counters: 0,
         fullest: 0.0,
         evicting: 0,
     };
@@ -356,6 +378,12 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
                 load
             })
             .collect();
+        for e in 0..N {
+            if let Some(total) = mirror.served[e].take() {
+                let at = mirror.scraped_at[e] as f64;
+                run.refused_counters += usize::from(!core.observe_served(e, total, at));
+            }
+        }
         core.set_now(now as f64);
         let expected = core.pick(&hashes, &loads).unwrap();
         let prediction = core.prediction_for(&expected, &hashes, &loads[expected.endpoint]);
@@ -430,6 +458,12 @@ fn run(extra: Value, spec: TraceSpec) -> Run {
         host.stats().value("prefixroute.latency.observations"),
         run.learned as i64
     );
+    assert!(run.refused_counters > 0, "the negative counter was read");
+    assert!(
+        host.stats()
+            .value("prefixroute.latency.observations_refused")
+            >= run.refused_counters as i64
+    );
     assert!(vm.trapped().is_none());
     assert!(
         mirror.answered.iter().all(|&k| k >= 7),
@@ -474,6 +508,23 @@ fn latency_policy_matches_core() {
         );
         assert!(r.with_down > 0 && r.with_unmeasured > 0);
     }
+}
+
+/// A hot tenant behind servers that other gateways keep busy: the scrapes' finished-request
+/// counters (endpoint 0's ten times the others') stand in for the router's own counts in the
+/// bounded share (`Router::observe_served`, read once per scrape), so where the hot prefix's
+/// holders are over their share is the servers' count, not the plugin's.
+#[test]
+fn latency_policy_on_a_hot_tenant_weighs_holders_by_the_servers_counts_as_core_does() {
+    run(
+        json!({"policy": "latency", "seed": 41}),
+        TraceSpec {
+            hot: Some(0.6),
+            rate: 30.0,
+            requests: 200,
+            ..tenants(41)
+        },
+    );
 }
 
 /// `consistent_placement`: every group's home comes from its head and the eligible endpoints,
