@@ -1694,20 +1694,22 @@ mod tests {
         let mut c = e.route(&chat("s", "q"), 100);
         // The clock went backwards: zero elapsed time.
         e.first_byte(&mut c.ticket, true, 50);
-        let events = e.drain_events();
-        assert!(
-            events.contains(&Event::Observations {
-                used: 0,
-                refused: 1
-            }),
-            "{events:?}"
-        );
+        assert_one_refused(&e.drain_events());
         let learned = &e.ledger.totals(&host, 100).learned;
         assert!(learned.rates.iter().all(|r| r.work_tokens == 0.0));
     }
 
+    /// The events counted one refused observation and nothing learned.
+    fn assert_one_refused(events: &[Event]) {
+        let one = Event::Observations {
+            used: 0,
+            refused: 1,
+        };
+        assert!(events.contains(&one), "{events:?}");
+    }
+
     #[test]
-    fn a_negative_finished_request_counter_is_counted_and_teaches_nothing() {
+    fn a_negative_finished_request_counter_is_counted_once_per_scrape() {
         let host = MemShared::new();
         let mut e = Scheduler::new(host.clone(), config(2, Policy::Latency));
         let counter = |total: &str| {
@@ -1716,14 +1718,7 @@ mod tests {
         tick_and_scrape(&mut e, 0, &[Some(counter("-3")), Some(counter("7"))]);
         e.drain_events();
         e.route(&chat("s", "q"), 10);
-        let events = e.drain_events();
-        assert!(
-            events.contains(&Event::Observations {
-                used: 0,
-                refused: 1
-            }),
-            "{events:?}"
-        );
+        assert_one_refused(&e.drain_events());
         // Read once per scrape: the next request of the same scrape counts nothing again.
         e.route(&chat("s", "q2"), 20);
         let again = e.drain_events();
