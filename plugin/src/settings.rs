@@ -20,7 +20,9 @@ pub fn load_config(raw: &[u8]) -> Result<PluginConfig, ConfigError> {
         },
     };
     if let Value::String(inner) = &value {
-        value = serde_json::from_str(inner).map_err(|e| ConfigError::Json(e.to_string()))?;
+        // From its bytes: one serde_json reader type in the plugin (see core's `metrics`).
+        value = serde_json::from_slice(inner.as_bytes())
+            .map_err(|e| ConfigError::Json(e.to_string()))?;
     }
     integral_floats_to_integers(&mut value);
     PluginConfig::from_value(value)
