@@ -221,8 +221,7 @@ impl<T> From<Versioned<T>> for Slot<T> {
 /// B-tree's comparisons per lookup. Deterministic: no random seed.
 type CacheMap<K, V> = hashbrown::HashMap<K, V, BuildHasherDefault<KeyHasher>>;
 
-/// Hashes the cache's integer keys (bucket numbers, already uniform; endpoint indices) with
-/// one multiply by an odd constant: distinct keys keep distinct low bits (hashbrown's slot)
+/// Hashes the cache's bucket numbers (already uniform) with one multiply by an odd constant: distinct keys keep distinct low bits (hashbrown's slot)
 /// and the top bits (its control byte) are mixed.
 #[derive(Debug, Default)]
 struct KeyHasher(u64);
@@ -244,6 +243,67 @@ impl Hasher for KeyHasher {
 
     fn finish(&self) -> u64 {
         self.0
+    }
+}
+
+/// Marks a cached copy as of unknown CAS token (another worker wrote the key since), so the
+/// next read-modify-write re-reads it. Cheaper than removing it from the cache (the `.wasm`
+/// then carries no removal at all). A give-up leaves the last read cached: the rest of this
+/// request sees it, the next request re-reads.
+fn forget_cas<T>(cached: Option<&mut Slot<T>>) {
+    if let Some(slot) = cached {
+        slot.cas = None;
+    }
+}
+
+/// The request cache's per-endpoint entries, by endpoint index: the indices are dense
+/// (`0..endpoints`), so a vector of slots serves where a map would hash every lookup, and the
+/// `.wasm` carries one hash table type fewer per use.
+#[derive(Debug)]
+struct PerEndpoint<T>(Vec<Option<T>>);
+
+impl<T> Default for PerEndpoint<T> {
+    fn default() -> Self {
+        PerEndpoint(Vec::new())
+    }
+}
+
+impl<T> PerEndpoint<T> {
+    fn get(&self, endpoint: usize) -> Option<&T> {
+        self.0.get(endpoint)?.as_ref()
+    }
+
+    fn get_mut(&mut self, endpoint: usize) -> Option<&mut T> {
+        self.0.get_mut(endpoint)?.as_mut()
+    }
+
+    fn insert(&mut self, endpoint: usize, value: T) {
+        if endpoint >= self.0.len() {
+            self.0.resize_with(endpoint + 1, || None);
+        }
+        self.0[endpoint] = Some(value);
+    }
+
+    /// Empties every slot (keeping the room).
+    fn clear(&mut self) {
+        self.0.iter_mut().for_each(|slot| *slot = None);
+    }
+
+    /// Empties the slots whose value `keep` refuses.
+    fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
+        for slot in &mut self.0 {
+            if slot.as_ref().is_some_and(|value| !keep(value)) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// Takes every value out, with its endpoint.
+    fn drain(&mut self) -> impl Iterator<Item = (usize, T)> + '_ {
+        self.0
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(endpoint, slot)| Some((endpoint, slot.take()?)))
     }
 }
 
@@ -281,10 +341,10 @@ impl<H: SharedData> SharedData for TrackedHost<H> {
 /// once (so the request reads its own writes) and sent to shared data by `end_request`.
 #[derive(Debug, Default)]
 struct Cache {
-    states: CacheMap<usize, Slot<EndpointState>>,
+    states: PerEndpoint<Slot<EndpointState>>,
     /// Endpoint records read by earlier requests, with the time of the read: served to reads
     /// while younger than [`CARRY_MS`] (see [`SharedIndex::begin_request_at`]).
-    carried: CacheMap<usize, (EndpointState, u64)>,
+    carried: PerEndpoint<(EndpointState, u64)>,
     /// The time of the current request (`begin_request_at`); `None`: carry nothing.
     now_ms: Option<u64>,
     /// The host's count of endpoint-record writes when `carried` was last filled.
@@ -499,7 +559,7 @@ impl<H: SharedData> SharedIndex<H> {
         } else {
             cache
                 .carried
-                .retain(|_, &mut (_, read_at)| now_ms.saturating_sub(read_at) < CARRY_MS);
+                .retain(|&(_, read_at)| now_ms.saturating_sub(read_at) < CARRY_MS);
         }
         self.start_request(Some(now_ms));
     }
@@ -560,11 +620,11 @@ impl<H: SharedData> SharedIndex<H> {
     ) -> R {
         {
             let cache = self.cache.borrow();
-            if let Some(slot) = cache.states.get(&endpoint) {
+            if let Some(slot) = cache.states.get(endpoint) {
                 if after_own_write || slot.cas.is_some() {
                     return f(&slot.value);
                 }
-            } else if let Some((value, _)) = cache.carried.get(&endpoint) {
+            } else if let Some((value, _)) = cache.carried.get(endpoint) {
                 return f(value);
             }
         }
@@ -573,7 +633,7 @@ impl<H: SharedData> SharedIndex<H> {
             return f(&EndpointState::default());
         }
         let cache = self.cache.borrow();
-        match cache.states.get(&endpoint) {
+        match cache.states.get(endpoint) {
             Some(slot) => f(&slot.value),
             None => f(&EndpointState::default()),
         }
@@ -594,10 +654,10 @@ impl<H: SharedData> SharedIndex<H> {
     /// An endpoint index out of range reads as the default and is never written.
     fn load_state(&self, endpoint: usize, stale: bool) -> Result<Slot<EndpointState>, u32> {
         if stale {
-            self.forget_cas(&mut self.cache.borrow_mut().states, endpoint);
+            forget_cas(self.cache.borrow_mut().states.get_mut(endpoint));
         }
         let usable =
-            matches!(self.cache.borrow().states.get(&endpoint), Some(slot) if slot.cas.is_some());
+            matches!(self.cache.borrow().states.get(endpoint), Some(slot) if slot.cas.is_some());
         if !usable {
             self.fetch_state(endpoint)?;
         }
@@ -605,7 +665,7 @@ impl<H: SharedData> SharedIndex<H> {
             .cache
             .borrow()
             .states
-            .get(&endpoint)
+            .get(endpoint)
             .cloned()
             .unwrap_or(Slot {
                 value: EndpointState::default(),
@@ -622,16 +682,6 @@ impl<H: SharedData> SharedIndex<H> {
         let slot = Slot::from(read_or_default(&self.host, key, EndpointState::decode)?);
         self.cache.borrow_mut().states.insert(endpoint, slot);
         Ok(())
-    }
-
-    /// Marks a cached copy as of unknown CAS token (another worker wrote the key since), so
-    /// the next read-modify-write re-reads it. Cheaper than removing it from the map (the
-    /// `.wasm` then carries no B-tree removal at all). A give-up leaves the last read cached:
-    /// the rest of this request sees it, the next request re-reads.
-    fn forget_cas<K: std::hash::Hash + Eq, T>(&self, cached: &mut CacheMap<K, Slot<T>>, key: K) {
-        if let Some(slot) = cached.get_mut(&key) {
-            slot.cas = None;
-        }
     }
 
     /// Reads a bucket from shared data into the request cache (replacing what was cached),
@@ -826,7 +876,7 @@ impl<H: SharedData> SharedIndex<H> {
             |stale| {
                 // After a lost race the cached copy is another worker's past: re-read.
                 if stale {
-                    self.forget_cas(&mut self.cache.borrow_mut().buckets, bucket);
+                    forget_cas(self.cache.borrow_mut().buckets.get_mut(&bucket));
                 }
                 // The first attempt writes the cached copy `queue_updates` already applied
                 // the updates to, under the token of its read; only a re-read needs them again.
