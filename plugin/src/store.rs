@@ -216,13 +216,14 @@ impl<T> From<Versioned<T>> for Slot<T> {
     }
 }
 
-/// The request cache's maps: a cold request caches one bucket per new block (a thousand for
+/// The request cache's bucket map: a cold request caches one bucket per new block (a thousand for
 /// a 16k-token prompt), and a hash map with a one-multiply hasher costs a fraction of a
 /// B-tree's comparisons per lookup. Deterministic: no random seed.
 type CacheMap<K, V> = hashbrown::HashMap<K, V, BuildHasherDefault<KeyHasher>>;
 
-/// Hashes the cache's bucket numbers (already uniform) with one multiply by an odd constant: distinct keys keep distinct low bits (hashbrown's slot)
-/// and the top bits (its control byte) are mixed.
+/// Hashes the cache's bucket numbers (already uniform) with one multiply by an odd constant:
+/// distinct keys keep distinct low bits (hashbrown's slot) and the top bits (its control
+/// byte) are mixed.
 #[derive(Debug, Default)]
 struct KeyHasher(u64);
 
