@@ -1699,7 +1699,7 @@ mod tests {
         assert!(learned.rates.iter().all(|r| r.work_tokens == 0.0));
     }
 
-    /// The events counted one refused observation and nothing learned.
+    /// The events count one refused observation, and none the model learned from.
     fn assert_one_refused(events: &[Event]) {
         let one = Event::Observations {
             used: 0,

@@ -216,9 +216,9 @@ impl<T> From<Versioned<T>> for Slot<T> {
     }
 }
 
-/// The request cache's bucket map: a cold request caches one bucket per new block (a thousand for
-/// a 16k-token prompt), and a hash map with a one-multiply hasher costs a fraction of a
-/// B-tree's comparisons per lookup. Deterministic: no random seed.
+/// The request cache's bucket map: a cold request caches one bucket per new block (a
+/// thousand for a 16k-token prompt), and a hash map with a one-multiply hasher costs a
+/// fraction of a B-tree's comparisons per lookup. Deterministic: no random seed.
 type CacheMap<K, V> = hashbrown::HashMap<K, V, BuildHasherDefault<KeyHasher>>;
 
 /// Hashes the cache's bucket numbers (already uniform) with one multiply by an odd constant:
