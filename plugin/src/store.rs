@@ -41,6 +41,8 @@
 //! (reads only; dropped as soon as this worker writes any endpoint record): a `get` costs Envoy
 //! microseconds and the router reads every endpoint's record per request, so this is what keeps
 //! a request's cost from growing with the pool (68 gets at 64 endpoints before, 5 after).
+//! Past that, a record read again whose CAS token has not changed (the host gives every write
+//! a new one) is not decoded again: most records do not change between a worker's requests.
 
 use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -350,6 +352,12 @@ struct Cache {
     now_ms: Option<u64>,
     /// The host's count of endpoint-record writes when `carried` was last filled.
     carried_writes: u64,
+    /// The last version of each endpoint record this worker decoded, with its CAS token: a
+    /// read that returns the same token (the host gives every write a new one) reuses it
+    /// instead of decoding the bytes again. Kept across requests: most records do not change
+    /// between one request and the next (the router reads every endpoint's for every request,
+    /// and a request changes only its own endpoint's).
+    decoded: PerEndpoint<Slot<EndpointState>>,
     buckets: CacheMap<u64, Slot<Bucket>>,
     /// (bucket, update) in the order queued; grouped by bucket when sent.
     pending: Vec<(u64, Update)>,
@@ -680,7 +688,34 @@ impl<H: SharedData> SharedIndex<H> {
         let Some(key) = self.state_keys.get(endpoint) else {
             return Ok(());
         };
-        let slot = Slot::from(read_or_default(&self.host, key, EndpointState::decode)?);
+        let slot = match self.host.get(key)? {
+            None => Slot {
+                value: EndpointState::default(),
+                cas: Some(0),
+            },
+            Some((bytes, cas)) => {
+                let known = self
+                    .cache
+                    .borrow()
+                    .decoded
+                    .get(endpoint)
+                    .filter(|known| cas != 0 && known.cas == Some(cas))
+                    .map(|known| known.value.clone());
+                let value = known.unwrap_or_else(|| {
+                    let value = EndpointState::decode(&bytes).unwrap_or_default();
+                    let copy = Slot {
+                        value: value.clone(),
+                        cas: Some(cas),
+                    };
+                    self.cache.borrow_mut().decoded.insert(endpoint, copy);
+                    value
+                });
+                Slot {
+                    value,
+                    cas: Some(cas),
+                }
+            }
+        };
         self.cache.borrow_mut().states.insert(endpoint, slot);
         Ok(())
     }
@@ -1098,6 +1133,7 @@ mod tests {
     use crate::shared::{bucket_key, MemShared};
     use prefixroute_core::index::{checkpoints, gap_blocks, STRIDE_BLOCKS};
     use prefixroute_core::PrefixIndex;
+    use std::rc::Rc;
 
     fn up(endpoint: u64, stamps: &[(u64, u64)]) -> Vec<Update> {
         stamps
@@ -1669,7 +1705,7 @@ mod tests {
     }
 
     /// One request at `now_ms` asking what endpoint 0's cache holds: reads only its record.
-    fn believed_blocks(s: &mut SharedIndex<MemShared>, now_ms: u64) -> usize {
+    fn believed_blocks(s: &mut SharedIndex<impl SharedData>, now_ms: u64) -> usize {
         s.begin_request_at(now_ms);
         let room = s.room(0);
         s.end_request();
@@ -1691,6 +1727,52 @@ mod tests {
         s.room(0);
         s.end_request();
         assert_eq!(host.calls().0, gets + 2);
+    }
+
+    /// Shared data whose reads can be made to report a pinned CAS token, whatever was written
+    /// since: a record the host says is unchanged must be served without decoding it again.
+    #[derive(Clone)]
+    struct PinnedToken {
+        inner: MemShared,
+        pinned: Rc<Cell<Option<u32>>>,
+    }
+
+    impl SharedData for PinnedToken {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, u32> {
+            let read = self.inner.get(key)?;
+            Ok(read.map(|(bytes, cas)| (bytes, self.pinned.get().unwrap_or(cas))))
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), SetError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn an_endpoint_record_is_decoded_again_only_when_its_cas_token_changed() {
+        let inner = MemShared::new();
+        let a = addrs(1);
+        let mut writer = SharedIndex::new(inner.clone(), &a, 1000);
+        let pinned = Rc::new(Cell::new(None));
+        let host = PinnedToken {
+            inner: inner.clone(),
+            pinned: pinned.clone(),
+        };
+        let mut reader = SharedIndex::new(host, &a, 1000);
+        writer.begin_request_at(0);
+        writer.record(0, &[1, 2, 3]);
+        writer.end_request();
+        assert_eq!(believed_blocks(&mut reader, 0), 3);
+        let (_, token) = inner.get(&endpoint_key(&a[0])).unwrap().unwrap();
+        writer.begin_request_at(1);
+        writer.record(0, &[4, 5]);
+        writer.end_request();
+        // Read again (past CARRY_MS), with the host reporting the token it had: the record
+        // decoded then serves; with the real token the new record is decoded.
+        pinned.set(Some(token));
+        assert_eq!(believed_blocks(&mut reader, 2 * CARRY_MS), 3);
+        pinned.set(None);
+        assert_eq!(believed_blocks(&mut reader, 4 * CARRY_MS), 5);
     }
 
     #[test]
