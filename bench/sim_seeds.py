@@ -15,6 +15,8 @@ over the mean. Deterministic: the same binaries and seeds print the same numbers
         --simulate-args '--gateways 2 --index precise --kv-interval-ms 200'
     python3 bench/sim_seeds.py --prefixroute now=... --decode-ms 10 \
         --policies latency,prefix,least-queue,round-robin
+    python3 bench/sim_seeds.py --prefixroute now=... --scenarios hot --requests 2400 \
+        --simulate-args '--gateways 3 --index precise'
 
 Standard library only; runs the binaries, never a network.
 """
@@ -61,10 +63,16 @@ def choices_of(text, known, what):
     return names
 
 
-def trace(binary, scenario, seed, out):
+def trace(binary, scenario, seed, out, requests=None):
+    """The scenario's trace with `seed` (and `requests` requests instead of its own count, when
+    given) written to `out`."""
     args = [binary, "trace", "-o", out]
     for key, value in SWEEP_SCENARIOS[scenario]["trace"].items():
-        args += [f"--{key}", str(seed if key == "seed" else value)]
+        if key == "seed":
+            value = seed
+        elif key == "requests" and requests:
+            value = requests
+        args += [f"--{key}", str(value)]
     subprocess.run(args, check=True, capture_output=True)
 
 
@@ -105,6 +113,10 @@ def main():
     p.add_argument("--decode-ms", type=float, default=0.0,
                    help="decode ms per output token on the simulated replicas (the sweep's is 0): "
                         "a request holds its lane this long per output token after its first byte")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per trace instead of the scenario's own (a few hundred): a "
+                        "longer trace shows the steady state past the first seconds, which "
+                        "dominate a short trace's p95 (a cold start, gateways not yet scraped)")
     p.add_argument("--policies", default="latency",
                    help="simulator policies to compare, a comma list (e.g. "
                         "latency,prefix,least-queue,round-robin)")
@@ -122,7 +134,7 @@ def main():
             paths = []
             for seed in seeds:
                 path = os.path.join(tmp, f"{scenario}-{seed}.jsonl")
-                trace(binaries[0][1], scenario, seed, path)
+                trace(binaries[0][1], scenario, seed, path, args.requests)
                 paths.append(path)
             for cost in costs:
                 cells = []
