@@ -157,9 +157,9 @@ impl Ledger {
         self.peers.len()
     }
 
-    /// Counts a refused observation made elsewhere (a scrape's counter the router refused).
-    pub fn count_refused(&mut self) {
-        self.counts.refused_observations += 1;
+    /// Counts `n` refused observations made elsewhere (scrapes' counters the router refused).
+    pub fn count_refused(&mut self, n: u32) {
+        self.counts.refused_observations += n;
     }
 
     pub fn take_counts(&mut self) -> LedgerCounts {

@@ -151,8 +151,6 @@ struct SeenScrape {
     /// The router's requests in flight there when the worker first saw it (core's
     /// `ServerQueue::sent_then`).
     sent_then: u32,
-    /// Its finished-request counter, until the router has read it (`Router::observe_served`).
-    served: Option<f64>,
 }
 
 impl<H: SharedData> Scheduler<H> {
@@ -399,49 +397,52 @@ impl<H: SharedData> Scheduler<H> {
         let stale_after = self.config.scrape.stale_after_ms;
         self.scrape_seen.resize(endpoints, SeenScrape::default());
         let seen = &mut self.scrape_seen;
+        let mut refused = 0;
         let loads = (0..endpoints)
             .map(|e| {
                 // Read off the shared record in place: a copy per endpoint per request shows.
-                let (capacity, mut load) = self.router.store().with_endpoint_state(e, |state| {
-                    let capacity = scrape::capacity_blocks(
-                        state,
-                        self.hash.block_size,
-                        self.config.index_capacity_blocks,
-                    );
-                    let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
-                    let work = pooled.work[e];
-                    let seen = &mut seen[e];
-                    if seen.at_ms != state.scraped_at_ms {
-                        *seen = SeenScrape {
-                            at_ms: state.scraped_at_ms,
-                            sent_then: work.in_flight,
-                            served: state.metrics.as_ref().and_then(|m| m.request_success_total),
-                        };
-                    }
-                    (
-                        scaled_capacity(capacity, state.calibration),
-                        estimate_load(
-                            metrics,
-                            work,
-                            Some(seen.sent_then),
-                            state.down || !self.pool.members[e].routable,
-                        ),
-                    )
-                });
+                let (capacity, mut load, served) =
+                    self.router.store().with_endpoint_state(e, |state| {
+                        let capacity = scrape::capacity_blocks(
+                            state,
+                            self.hash.block_size,
+                            self.config.index_capacity_blocks,
+                        );
+                        let metrics = scrape::fresh_metrics(state, now_ms, stale_after);
+                        let work = pooled.work[e];
+                        let seen = &mut seen[e];
+                        // A scrape this worker sees for the first time: its finished-request
+                        // counter goes to the router once.
+                        let mut served = None;
+                        if seen.at_ms != state.scraped_at_ms {
+                            *seen = SeenScrape {
+                                at_ms: state.scraped_at_ms,
+                                sent_then: work.in_flight,
+                            };
+                            served = state.metrics.as_ref().and_then(|m| m.request_success_total);
+                        }
+                        (
+                            scaled_capacity(capacity, state.calibration),
+                            estimate_load(
+                                metrics,
+                                work,
+                                Some(seen.sent_then),
+                                state.down || !self.pool.members[e].routable,
+                            ),
+                            served.map(|total| (total, state.scraped_at_ms)),
+                        )
+                    });
                 self.router.set_capacity(e, capacity);
+                if let Some((total, at_ms)) = served {
+                    refused += u32::from(!self.router.observe_served(e, total, at_ms as f64));
+                }
                 learned.apply_to(e, &mut load.latency);
                 load
             })
             .collect();
-        for (e, seen) in self.scrape_seen.iter_mut().enumerate() {
-            if let Some(total) = seen.served.take() {
-                // Refused readings are counted with the refused first bytes (drained with the
-                // ledger's counts when the request is steered).
-                if !self.router.observe_served(e, total, seen.at_ms as f64) {
-                    self.ledger.count_refused();
-                }
-            }
-        }
+        // Refused readings are counted with the refused first bytes (drained with the
+        // ledger's counts when the request is steered).
+        self.ledger.count_refused(refused);
         loads
     }
 
