@@ -1055,7 +1055,8 @@ impl ServedRequests {
 
     /// `endpoint`'s counter read `total` in a scrape taken at `at_ms`. `false` when the
     /// reading is refused (a count that is negative or not a number, or no clock): it changes
-    /// nothing. A counter lower than before is a server that restarted, a new baseline.
+    /// nothing. A counter lower than before is a server that restarted, a new baseline. An
+    /// endpoint this count does not have is ignored (not bad input: the caller's pool moved).
     pub fn observe(&mut self, endpoint: usize, total: f64, at_ms: f64) -> bool {
         let Some((last, counted)) = self.last.get_mut(endpoint) else {
             return true;

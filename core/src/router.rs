@@ -1260,8 +1260,7 @@ fn keep_moves_among_head_holders(scores: &mut [EndpointScores], head: usize) {
 /// times the mean eligible endpoint's recent requests ([`RecentRequests`]: `[own, fleet]`; the
 /// fleet's are what the servers report finishing where other gateways send a quarter or more
 /// of them ([`ServedRequests::beyond`]), else what a proxy's workers pooled, else the router's
-/// own) by more than
-/// [`RecentRequests::SLACK`], when the prefix is hot: it started
+/// own) by more than [`RecentRequests::SLACK`], when the prefix is hot: it started
 /// [`RecentRequests::HOT_SHARE`] times more groups per endpoint holding it
 /// (`starts_per_holder`, from its decayed count, [`crate::latency::PrefixRates::of`], with
 /// the same time constant) than the mean endpoint took requests from this router (its own
