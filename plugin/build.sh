@@ -54,7 +54,7 @@ fi
 # wasmtime would not run.
 "$wasm_opt" "${passes[@]}" \
   --enable-bulk-memory --enable-sign-ext --enable-mutable-globals \
-  --enable-nontrapping-float-to-int --enable-multivalue --enable-reference-types \
+  --enable-nontrapping-float-to-int --enable-multivalue --enable-reference-types --enable-simd \
   "$wasm" -o "$cache.tmp"
 mv "$cache.tmp" "$cache"
 echo "$linked" >"$cache.from"

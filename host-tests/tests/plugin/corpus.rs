@@ -239,6 +239,89 @@ fn check(vm: &mut Vm, what: &str, r: &Request) {
     );
 }
 
+/// The chat reader finds the bytes of a message's content that need a look of their own
+/// (`"`, `\\`, control and non-ASCII bytes) sixteen at a time in the `.wasm` (`simd128`) and
+/// eight at a time natively, where core's tests run. So each such byte, and a few that need
+/// none, is put at every offset of a content in the plugin, and the plugin must read the body
+/// as core's `parse_request` does: refuse what core refuses, and otherwise route the same
+/// number of tokens (a content read with an escape taken as plain text, or cut short at a
+/// byte the scan missed, would not).
+#[test]
+fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
+    use prefixroute_core::hashing::{hash_request, HashConfig};
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({})));
+    let specials: [&[u8]; 16] = [
+        br#"\""#,
+        br"\n",
+        br"\\",
+        br"\u00e9",
+        br"\ud83e\udd80",
+        br"\q",
+        "é".as_bytes(),
+        "漢".as_bytes(),
+        "🦀".as_bytes(),
+        b"\x01",
+        b"\x1f",
+        b"\x7f",
+        b"\xff",
+        b"\xc3",
+        b"\"",
+        b"~",
+    ];
+    let (mut routed, mut refused) = (0, 0);
+    for (s, special) in specials.iter().enumerate() {
+        for offset in 0..40 {
+            let filler = b"abc de fghij, klm nopq rstu vwxyz. ".repeat(3);
+            let mut content = filler[..offset].to_vec();
+            content.extend_from_slice(special);
+            content.extend_from_slice(&filler[offset..]);
+            // A unique first message, so that no block of one case matches another's.
+            let mut body = format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"case {s} at {offset}"}},{{"role":"user","content":""#
+            )
+            .into_bytes();
+            body.extend_from_slice(&content);
+            body.extend_from_slice(br#""}]}"#);
+            let what = format!(
+                "{} at {offset}",
+                String::from_utf8_lossy(special).escape_debug()
+            );
+            let r = Request::chat(body);
+            let rt = vm
+                .round_trip(&r)
+                .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+            assert!(vm.trapped().is_none(), "{what}: {:?}", vm.trapped());
+            let fallback = rt.response_header("x-prefixroute-fallback");
+            match prefixroute_core::parse_request(&r.body) {
+                Err(_) => {
+                    assert_eq!(fallback.as_deref(), Some("parse_error"), "{what}");
+                    refused += 1;
+                }
+                Ok(parsed) => {
+                    assert_eq!(fallback, None, "{what}");
+                    let hashes = hash_request(&parsed, HashConfig::default());
+                    let matched = format!("0/{}", hashes.total_blocks());
+                    assert_eq!(
+                        rt.response_header("x-prefixroute-match"),
+                        Some(matched),
+                        "{what}"
+                    );
+                    assert_eq!(
+                        rt.response_header("x-prefixroute-uncached-tokens"),
+                        Some(hashes.total_tokens().to_string()),
+                        "{what}"
+                    );
+                    routed += 1;
+                }
+            }
+        }
+    }
+    // Refused: a raw quote (it ends the string early), `\q`, the two control bytes, 0xff and
+    // a lead byte with no continuation; DEL (0x7f) is a plain byte in JSON.
+    assert_eq!((routed, refused), (10 * 40, 6 * 40));
+}
+
 #[test]
 fn bad_input_never_traps_and_always_gets_a_destination() {
     let host = common::host();
