@@ -1,4 +1,4 @@
-//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS] [MESSAGES]`:
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS] [MESSAGES] [TEXT]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
 //! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per
 //! token, then per request in each callback (`proxy_on_request_body` is the routing decision)
@@ -6,7 +6,9 @@
 //! a worker that routes a request every 130 ms (a sweep's load on two workers) no longer
 //! carries the endpoint records it read (`CARRY_MS`) and reads them again. MESSAGES (one by
 //! default) spreads the prompt over that many messages (`host_tests::bench::conversation`: an
-//! agent's or a long chat's history, one boundary per message). Cold: each
+//! agent's or a long chat's history, one boundary per message). TEXT `ja` (default `ascii`)
+//! puts three Japanese characters before every word after the first: 9 of every ~13 bytes of
+//! the prompt are then non-ASCII (the tokenizer skips them, so the tokens are the same). Cold: each
 //! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
 //! each. The bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -71,6 +73,11 @@ fn run() -> Result<(), String> {
             .map_err(|_| format!("MESSAGES must be a number, not {m:?}"))?,
         None => 1,
     };
+    let japanese = match args.get(6).map(String::as_str) {
+        None | Some("ascii") => false,
+        Some("ja") => true,
+        Some(other) => return Err(format!("TEXT must be ascii or ja, not {other:?}")),
+    };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
     let mut vm = host
@@ -89,6 +96,14 @@ fn run() -> Result<(), String> {
             host_tests::bench::conversation(tenant, tokens, messages, &question)
         } else {
             host_tests::bench::body(tenant, tokens, &question)
+        };
+        let body = if japanese {
+            // Only inside the contents: the JSON around them has no " w".
+            String::from_utf8_lossy(&body)
+                .replace(" w", " 日本語w")
+                .into_bytes()
+        } else {
+            body
         };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=

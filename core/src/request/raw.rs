@@ -159,73 +159,91 @@ fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     }
 }
 
-const ONES: u64 = 0x0101_0101_0101_0101;
-const HIGHS: u64 = 0x8080_8080_8080_8080;
-
-/// How many bytes at the start of `rest` need no look of their own inside a JSON string (not
-/// `"`, `\`, a control character or a non-ASCII byte). It may stop short of the first such
-/// byte (the caller reads on byte by byte from where it stops), never past it.
+/// Where the run of plain string text at the start of `rest` ends: the position of its first
+/// `"`, `\`, control byte or, with `NON_ASCII`, non-ASCII byte; `rest.len()` when it has none.
+/// `run_end::<true>` is what the reader skips without a look; `run_end::<false>` is a run of
+/// text whose UTF-8 is checked at once (see [`Reader::string`]).
 ///
-/// On wasm (the plugin, the web demo) sixteen bytes at a time with `simd128`: one signed
-/// compare finds control and non-ASCII bytes together (both are under 0x20 as `i8`), two
-/// compares the quote and the backslash, and `bitmask` gives the first one's position. About
-/// 0.6 wasm instructions per byte against the SWAR words' 4.2; the scan of the messages'
-/// contents was the largest single cost of a warm request (docs/benchmarks.md). Every wasm
-/// engine this project targets runs SIMD: Envoy's V8, wasmtime, Chromium.
-#[cfg(target_arch = "wasm32")]
-#[target_feature(enable = "simd128")]
-fn plain_prefix(rest: &[u8]) -> usize {
+/// Where the build has wasm SIMD (the plugin: `.cargo/config.toml`), sixteen bytes at a time:
+/// a compare for the control bytes (signed, to take the non-ASCII bytes with them: both are
+/// under 0x20 as `i8`), two for the quote and the backslash, and `bitmask` gives the first
+/// one's position: about 0.6 wasm instructions per byte against SWAR words' 4.2. The scan of
+/// the messages' contents was the largest single cost of a warm request (docs/benchmarks.md).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn run_end<const NON_ASCII: bool>(rest: &[u8]) -> usize {
     use core::arch::wasm32::{
-        i8x16_lt, i8x16_splat, u8x16_bitmask, u8x16_eq, u8x16_splat, v128, v128_or,
+        i8x16_lt, i8x16_splat, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_or,
     };
     let quote = u8x16_splat(b'"');
     let backslash = u8x16_splat(b'\\');
-    let space = i8x16_splat(0x20);
     let mut chunks = rest.chunks_exact(16);
-    let mut plain = 0;
+    let mut run = 0;
     for chunk in &mut chunks {
         // SAFETY: `chunk` is 16 readable bytes; `read_unaligned` asks no alignment of them.
         let v = unsafe { chunk.as_ptr().cast::<v128>().read_unaligned() };
-        let look = v128_or(
-            i8x16_lt(v, space),
-            v128_or(u8x16_eq(v, quote), u8x16_eq(v, backslash)),
-        );
-        let mask = u8x16_bitmask(look);
+        let low = if NON_ASCII {
+            i8x16_lt(v, i8x16_splat(0x20))
+        } else {
+            u8x16_lt(v, u8x16_splat(0x20))
+        };
+        let stops = v128_or(low, v128_or(u8x16_eq(v, quote), u8x16_eq(v, backslash)));
+        let mask = u8x16_bitmask(stops);
         if mask != 0 {
-            return plain + mask.trailing_zeros() as usize;
+            return run + mask.trailing_zeros() as usize;
         }
-        plain += 16;
+        run += 16;
     }
-    plain + plain_words(chunks.remainder())
+    run + run_end_bytes::<NON_ASCII>(chunks.remainder())
 }
 
-#[cfg(not(target_arch = "wasm32"))]
-fn plain_prefix(rest: &[u8]) -> usize {
-    plain_words(rest)
-}
-
-/// [`plain_prefix`] eight bytes at a time: the bytes of `rest` before the first 8-byte word
-/// holding a byte that needs a look of its own. One mask per word, no branch per byte (the
-/// classic "has a zero byte" test, `(x - 0x01…) & !x & 0x80…`, applied to the word itself for
-/// bytes under 0x20 and to its XOR with `"` and `\`).
-fn plain_words(rest: &[u8]) -> usize {
-    let mut plain = 0;
-    for chunk in rest.chunks_exact(8) {
+/// [`run_end`] eight bytes at a time (builds without wasm SIMD: native ones, the web demo):
+/// one mask per word, no branch per byte.
+/// The classic "has a zero byte" test, `(x - 0x01…) & !x & 0x80…`, applied to the word itself
+/// for bytes under 0x20 and to its XOR with `"` and `\`; its lowest flagged byte is always a
+/// true one (a borrow only runs upwards), so `trailing_zeros` finds the first stop exactly.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn run_end<const NON_ASCII: bool>(rest: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    let mut words = rest.chunks_exact(8);
+    let mut run = 0;
+    for chunk in &mut words {
         let w = u64::from_le_bytes([
             chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7],
         ]);
         let quote = w ^ (ONES * u64::from(b'"'));
         let backslash = w ^ (ONES * u64::from(b'\\'));
-        let look = (w.wrapping_sub(ONES * 0x20) & !w)
-            | w
+        let stops = ((w.wrapping_sub(ONES * 0x20) & !w)
+            | if NON_ASCII { w } else { 0 }
             | (quote.wrapping_sub(ONES) & !quote)
-            | (backslash.wrapping_sub(ONES) & !backslash);
-        if look & HIGHS != 0 {
-            break;
+            | (backslash.wrapping_sub(ONES) & !backslash))
+            & HIGHS;
+        if stops != 0 {
+            return run + stops.trailing_zeros() as usize / 8;
         }
-        plain += 8;
+        run += 8;
     }
-    plain
+    run + run_end_bytes::<NON_ASCII>(words.remainder())
+}
+
+/// Is `text` UTF-8? In the plugin with `simdutf8` (SIMD where the build has it: 16 bytes a
+/// step, against the standard library's check of one character at a time, ~4x fewer wasm
+/// instructions on Japanese text), natively with the standard library.
+#[cfg(target_arch = "wasm32")]
+fn is_utf8(text: &[u8]) -> bool {
+    simdutf8::basic::from_utf8(text).is_ok()
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn is_utf8(text: &[u8]) -> bool {
+    str::from_utf8(text).is_ok()
+}
+
+/// [`run_end`] one byte at a time, for the last few bytes.
+fn run_end_bytes<const NON_ASCII: bool>(rest: &[u8]) -> usize {
+    rest.iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20 || (NON_ASCII && b >= 0x80))
+        .unwrap_or(rest.len())
 }
 
 struct Reader<'a> {
@@ -265,7 +283,7 @@ impl<'a> Reader<'a> {
         let start = self.at;
         let mut escaped = false;
         loop {
-            self.at += plain_prefix(self.bytes.get(self.at..)?);
+            self.at += run_end::<true>(self.bytes.get(self.at..)?);
             let b = self.next()?;
             match b {
                 b'"' => {
@@ -278,16 +296,16 @@ impl<'a> Reader<'a> {
                 }
                 0..=0x1f => return None,
                 0x80.. => {
-                    // One UTF-8 character, checked by the standard library.
-                    let len = match b {
-                        0xC2..=0xDF => 2,
-                        0xE0..=0xEF => 3,
-                        0xF0..=0xF4 => 4,
-                        _ => return None,
-                    };
-                    let char_bytes = self.bytes.get(self.at - 1..self.at - 1 + len)?;
-                    str::from_utf8(char_bytes).ok()?;
-                    self.at += len - 1;
+                    // Text that is not all ASCII: the run up to the next quote, backslash or
+                    // control byte, checked as UTF-8 at once (a text in another script is one
+                    // run, not a check per character). Those stops are ASCII, so no valid
+                    // character spans the run's end.
+                    let from = self.at - 1;
+                    let end = from + run_end::<false>(&self.bytes[from..]);
+                    if !is_utf8(&self.bytes[from..end]) {
+                        return None;
+                    }
+                    self.at = end;
                 }
                 _ => {}
             }
@@ -616,6 +634,32 @@ pub(super) mod tests {
                 assert_same_request(&chat, &parsed.unwrap())?;
             }
         }
+    }
+
+    #[test]
+    fn a_run_of_text_ends_exactly_at_its_first_stop_byte() {
+        let plain = b"Plain text, ~ and DEL \x7f: no stops here at all!!".repeat(2);
+        for stop in [b'"', b'\\', 0x00, 0x0a, 0x1f, 0x80, 0xc3, 0xff] {
+            for at in 0..plain.len() {
+                let mut text = plain.clone();
+                text[at] = stop;
+                // A second stop later must not move the answer.
+                if at + 9 < text.len() {
+                    text[at + 9] = b'"';
+                }
+                let first_of_any = if stop >= 0x80 && at + 9 < text.len() {
+                    at + 9
+                } else if stop >= 0x80 {
+                    text.len()
+                } else {
+                    at
+                };
+                assert_eq!(run_end::<true>(&text), at, "{stop:#x} at {at}");
+                assert_eq!(run_end::<false>(&text), first_of_any, "{stop:#x} at {at}");
+            }
+        }
+        assert_eq!(run_end::<true>(&plain), plain.len());
+        assert_eq!(run_end::<true>(b""), 0);
     }
 
     #[test]

@@ -251,7 +251,7 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
     use prefixroute_core::hashing::{hash_request, HashConfig};
     let host = common::host();
     let mut vm = common::configured(&host, &config(3, json!({})));
-    let specials: [&[u8]; 16] = [
+    let specials: [&[u8]; 23] = [
         br#"\""#,
         br"\n",
         br"\\",
@@ -268,6 +268,14 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
         b"\xc3",
         b"\"",
         b"~",
+        // Non-ASCII text is checked as UTF-8 a run at a time, up to the next stop.
+        "日本語のテキスト、そして".as_bytes(),
+        "é\\n".as_bytes(),
+        "é\\\"é".as_bytes(),
+        b"\xc3\xa9\xff",
+        b"\xe6\xbc",
+        "é\u{1}".as_bytes(),
+        "é\"".as_bytes(),
     ];
     let (mut routed, mut refused) = (0, 0);
     for (s, special) in specials.iter().enumerate() {
@@ -317,9 +325,10 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
             }
         }
     }
-    // Refused: a raw quote (it ends the string early), `\q`, the two control bytes, 0xff and
-    // a lead byte with no continuation; DEL (0x7f) is a plain byte in JSON.
-    assert_eq!((routed, refused), (10 * 40, 6 * 40));
+    // Refused: a raw quote (it ends the string early, also after `é`), `\q`, the control
+    // bytes, 0xff (also after `é`) and lead bytes with too few continuations; DEL (0x7f) is a
+    // plain byte in JSON.
+    assert_eq!((routed, refused), (13 * 40, 10 * 40));
 }
 
 #[test]
