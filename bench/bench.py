@@ -153,13 +153,28 @@ SWEEP_SCENARIOS = {
         "splittable": True, "shared": False,
     },
 }
+# Opt-in sweep traces (`--sweep-scenarios`), not in the default sweep.
+EXTRA_SWEEP_SCENARIOS = {
+    # `tenants` in Chinese characters: ~800 characters per system prompt, so with one token
+    # per character (a model's tokenizer gives ~0.7-1.5) a replica caches a third of them, as
+    # in `tenants`. The fake servers tokenize each character as a token (`--non-ascii pieces`,
+    # their default); run `latency-skip` beside `latency` to see a router that skips them.
+    "tenants-han": {
+        "title": "24 tenants whose ~800-character system prompts are in Chinese; each replica caches a third of them",
+        "trace": {"shape": "tenants", "tenants": 24, "prompt-words": 400,
+                  "question-words": 20, "rate": 20, "requests": 400, "seed": 11,
+                  "script": "han"},
+        "quick_requests": 200, "replicas": 6, "kv_blocks": 420, "lanes": 4,
+        "splittable": True, "shared": True,
+    },
+}
 SWEEP_ROUTERS = ["envoy-lr", "sglang", "vllm", "prefix", "latency"]
 PEERS = {"envoy-rr", "envoy-lr", "sglang", "vllm"}
 
 # Routers in the cache section. "ours" marks prefixroute's own policies; the rest are peers.
 CACHE_ROUTERS = ["envoy-rr", "envoy-lr", "sglang", "vllm", "prefix", "prefix-only", "latency"]
 COST_SYSTEMS = ["direct", "envoy-rr", "latency", "sglang", "vllm"]
-OURS = {"prefix", "prefix-only", "latency"}
+OURS = {"prefix", "prefix-only", "latency", "latency-skip"}
 PLUGIN = OURS
 LABEL = {
     "direct": "direct (no router)",
@@ -170,6 +185,7 @@ LABEL = {
     "prefix": "prefixroute prefix",
     "prefix-only": "prefixroute prefix-only",
     "latency": "prefixroute latency",
+    "latency-skip": "prefixroute latency, non_ascii: skip",
     "upper": "upper bound: 1 server, unlimited cache",
 }
 
@@ -460,7 +476,8 @@ class Router:
             self.url = fleet[0].url
             return
         if kind in ("envoy-rr", "envoy-lr") or kind in PLUGIN:
-            policy = {"envoy-rr": "round-robin", "envoy-lr": "least-request"}.get(kind, kind)
+            policy = {"envoy-rr": "round-robin", "envoy-lr": "least-request",
+                      "latency-skip": "latency"}.get(kind, kind)
             admin = free_port()
             self.admin = admin
             argv = [env.prefixroute, "serve", "--policy", policy,
@@ -471,6 +488,10 @@ class Router:
                 argv += ["--endpoint", f"{r.name}=http://{r.hostport}"]
             if kind in PLUGIN:
                 argv += our_router_flags(env, fleet[0].lanes)
+            if kind == "latency-skip":
+                # Characters outside ASCII skipped, as llm-d-inference-sim's tokenizer does
+                # (and the router did before `non_ascii`); the fake servers count them.
+                argv += ["--non-ascii", "skip"]
             self.proc = spawn(argv, log_path)
             wait_until(f"Envoy ({kind})",
                        lambda: http_get(f"http://127.0.0.1:{admin}/ready") == 200,
@@ -1259,7 +1280,8 @@ def main():
     p.add_argument("--sections", default="cache,sim-sweep,sweep,cost,scale",
                    help="comma list of cache, sim-sweep, sweep, cost, scale (default: all)")
     p.add_argument("--sweep-scenarios", default=",".join(SWEEP_SCENARIOS),
-                   help="sweep traces to run (default: all)")
+                   help="sweep traces to run (default: all but the opt-in "
+                        + ", ".join(EXTRA_SWEEP_SCENARIOS) + ")")
     p.add_argument("--sweep-routers", default=",".join(SWEEP_ROUTERS),
                    help="routers in the sweep section (default: all)")
     p.add_argument("--costs", default=",".join(str(c) for c in SWEEP_COSTS),
@@ -1331,7 +1353,8 @@ def main():
             log("smoke: wrk not installed, cost check skipped")
     else:
         scenarios = {k: SCENARIOS[k] for k in args.scenarios.split(",")}
-        sweep_scenarios = {k: SWEEP_SCENARIOS[k] for k in args.sweep_scenarios.split(",")}
+        every_sweep = {**SWEEP_SCENARIOS, **EXTRA_SWEEP_SCENARIOS}
+        sweep_scenarios = {k: every_sweep[k] for k in args.sweep_scenarios.split(",")}
         sweep_routers = args.sweep_routers.split(",")
         costs = [float(c) for c in args.costs.split(",")]
         routers = args.routers.split(",")

@@ -55,6 +55,7 @@ fn router_blocks(body: &str, block_size: usize) -> Vec<u64> {
         HashConfig {
             block_size,
             include_partial: false,
+            ..HashConfig::default()
         },
     )
     .chains

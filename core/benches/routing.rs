@@ -41,7 +41,7 @@ fn tokenize_and_hash(c: &mut Criterion) {
 }
 
 fn index_ops(c: &mut Criterion) {
-    let tokens = tokenize(&String::from_utf8(body_of(8)).unwrap());
+    let tokens = tokenize(&String::from_utf8(body_of(8)).unwrap(), Default::default());
     let chain = chain_hashes(&tokens, chain_seed("m", ""), HashConfig::default());
     let mut group = c.benchmark_group("index");
     group.throughput(Throughput::Elements(chain.len() as u64));

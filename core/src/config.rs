@@ -12,6 +12,7 @@ use crate::hashing::HashConfig;
 use crate::index::DEFAULT_CAPACITY_BLOCKS;
 use crate::latency::LatencyConfig;
 use crate::scorer::MatchLength;
+use crate::tokenizer::NonAscii;
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ConfigError {
@@ -515,6 +516,13 @@ impl<'de> Deserialize<'de> for IndexMode {
     }
 }
 
+impl<'de> Deserialize<'de> for NonAscii {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(UnitVariant(&NonAscii::NAMES))
+            .map(|i| NonAscii::ALL[i])
+    }
+}
+
 impl FromStr for IndexMode {
     type Err = String;
 
@@ -695,6 +703,9 @@ pub struct PluginConfig {
     pub saturation: SaturationFilter,
     pub match_length: MatchLength,
     pub block_size: usize,
+    /// What the tokenizer does with a character outside ASCII: `pieces` (one token each) or
+    /// `skip` (as llm-d-inference-sim does; what `index: precise` in front of it needs).
+    pub non_ascii: NonAscii,
     /// Believed-cached blocks per endpoint when the endpoint does not report its capacity
     /// (`vllm:cache_config_info`'s `num_gpu_blocks`); a reported capacity bounds it further.
     pub index_capacity_blocks: usize,
@@ -727,6 +738,7 @@ impl Default for PluginConfig {
             saturation: router.saturation,
             match_length: router.match_length,
             block_size: router.hash.block_size,
+            non_ascii: router.hash.non_ascii,
             index_capacity_blocks: router.index_capacity_blocks,
             latency: router.latency,
             scrape: ScrapeConfig::default(),
@@ -1021,6 +1033,7 @@ impl PluginConfig {
             hash: HashConfig {
                 block_size: self.block_size,
                 include_partial: true,
+                non_ascii: self.non_ascii,
             },
             index_capacity_blocks: self.index_capacity_blocks,
             latency: self.latency,
@@ -1220,6 +1233,11 @@ mod tests {
         assert_eq!(c.router_config().placement, Placement::Consistent);
         assert_eq!("consistent".parse(), Ok(Placement::Consistent));
         assert_eq!(Placement::Consistent.name(), "consistent");
+        assert_eq!(c.router_config().hash.non_ascii, NonAscii::Pieces);
+        let c =
+            plugin(r#"{"endpoints":[{"name":"a","address":"127.0.0.1:8001"}],"non_ascii":"skip"}"#)
+                .unwrap();
+        assert_eq!(c.router_config().hash.non_ascii, NonAscii::Skip);
         let c = plugin(
             r#"{"endpoints":[{"name":"a","address":"10.0.0.1:8000"},{"name":"b","address":"[::1]:8000"}],
                 "policy":"least-queue","weights":{"prefix":1},"block_size":32,
@@ -1285,6 +1303,10 @@ mod tests {
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"index":"exact"}"#,
                 "index: unknown variant `exact`",
+            ),
+            (
+                r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"non_ascii":"none"}"#,
+                "non_ascii: unknown variant `none`, expected `pieces` or `skip`",
             ),
             (
                 r#"{"endpoints":[{"name":"a","address":"1.2.3.4:1"}],"policy":3}"#,

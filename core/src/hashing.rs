@@ -7,7 +7,7 @@
 use xxhash_rust::xxh64::Xxh64;
 
 use crate::request::{ParsedRequest, Prompt, RawChat};
-use crate::tokenizer::for_each_token_at;
+use crate::tokenizer::{for_each_token_at, NonAscii};
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -17,6 +17,9 @@ pub struct HashConfig {
     /// Hash the final, partial block too. The router does (so a short prompt still has an
     /// identity); a server caches full blocks only, so the replica model turns this off.
     pub include_partial: bool,
+    /// What the tokenizer does with a character outside ASCII.
+    #[serde(default)]
+    pub non_ascii: NonAscii,
 }
 
 impl Default for HashConfig {
@@ -24,6 +27,7 @@ impl Default for HashConfig {
         HashConfig {
             block_size: 16,
             include_partial: true,
+            non_ascii: NonAscii::default(),
         }
     }
 }
@@ -154,7 +158,7 @@ pub fn chain_text_marked(
     // One comparison per token: the next boundary, `usize::MAX` once none is left.
     let mut boundaries = boundaries.iter().copied();
     let mut next_boundary = boundaries.next().unwrap_or(usize::MAX);
-    for_each_token_at(text, |start, id| {
+    for_each_token_at(text, config.non_ascii, |start, id| {
         while start >= next_boundary {
             chain.mark(marks);
             next_boundary = boundaries.next().unwrap_or(usize::MAX);
@@ -184,6 +188,8 @@ struct Chainer {
     full_tokens: usize,
     block_size: usize,
     include_partial: bool,
+    /// The tokenizer's rule for the text this chain hashes (the memo tokenizes with it).
+    non_ascii: NonAscii,
 }
 
 impl Chainer {
@@ -196,6 +202,7 @@ impl Chainer {
             full_tokens: 0,
             block_size,
             include_partial: config.include_partial,
+            non_ascii: config.non_ascii,
         }
     }
 
@@ -258,11 +265,13 @@ impl Chainer {
         true
     }
 
-    /// What the chain's future depends on: its last hash, its partial block and the block
-    /// size. Two chains in the same state hash the same text to the same blocks.
+    /// What the chain's future depends on: its last hash, its partial block, the block size
+    /// and the tokenizer's rule. Two chains in the same state hash the same text to the same
+    /// blocks.
     fn state_key(&self) -> u64 {
         let mut h = Xxh64::new(self.parent);
         h.update(&(self.block_size as u64).to_le_bytes());
+        h.update(&[self.non_ascii as u8]);
         for t in &self.pending[..self.filled] {
             h.update(&t.to_le_bytes());
         }
@@ -416,6 +425,7 @@ mod tests {
     const FULL: HashConfig = HashConfig {
         block_size: 4,
         include_partial: false,
+        non_ascii: NonAscii::Pieces,
     };
 
     #[test]
@@ -469,12 +479,15 @@ mod tests {
             let config = HashConfig {
                 block_size,
                 include_partial: true,
+                non_ascii: NonAscii::Pieces,
             };
             let h = hash_request(&req, config);
             let expected: Vec<usize> = req
                 .boundaries
                 .iter()
-                .map(|&b| crate::tokenizer::tokenize(&text[..b]).len() / block_size)
+                .map(|&b| {
+                    crate::tokenizer::tokenize(&text[..b], NonAscii::default()).len() / block_size
+                })
                 .filter(|&k| k > 0)
                 .collect();
             assert_eq!(h.marks, vec![expected.clone()], "block size {block_size}");
@@ -500,11 +513,12 @@ mod tests {
         let config = HashConfig {
             block_size: 2,
             include_partial: true,
+            non_ascii: NonAscii::Pieces,
         };
         let every: Vec<usize> = req
             .boundaries
             .iter()
-            .map(|&b| crate::tokenizer::tokenize(&text[..b]).len() / 2)
+            .map(|&b| crate::tokenizer::tokenize(&text[..b], NonAscii::default()).len() / 2)
             .collect();
         assert_eq!(every.len(), 11);
         let kept = [&every[..KEPT_MARKS], &every[every.len() - KEPT_MARKS..]].concat();
@@ -530,6 +544,7 @@ mod tests {
             HashConfig {
                 block_size: 2,
                 include_partial: true,
+                non_ascii: NonAscii::Pieces,
             },
         );
         assert_eq!(h.tokens, vec![5, 1]);
@@ -569,9 +584,9 @@ mod tests {
             block_size in 1usize..20,
             include_partial in any::<bool>(),
         ) {
-            let config = HashConfig { block_size, include_partial };
+            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces };
             let seed = chain_seed("m", "s");
-            let tokens = crate::tokenizer::tokenize(&text);
+            let tokens = crate::tokenizer::tokenize(&text, NonAscii::default());
             let mut streamed = Vec::new();
             let count = chain_text_into(&text, seed, config, &mut streamed);
             prop_assert_eq!(count, tokens.len());
@@ -586,7 +601,7 @@ mod tests {
             block_size in 1usize..9,
             include_partial in any::<bool>(),
         ) {
-            let config = HashConfig { block_size, include_partial };
+            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces };
             let seed = chain_seed("model", "");
             let a = chain_hashes(&left, seed, config);
             let b = chain_hashes(&right, seed, config);
@@ -604,7 +619,7 @@ mod tests {
             block_size in 1usize..9,
             salt in "[a-z]{0,6}",
         ) {
-            let config = HashConfig { block_size, include_partial: true };
+            let config = HashConfig { block_size, include_partial: true, non_ascii: NonAscii::Pieces };
             let base = chain_hashes(&tokens, chain_seed("m", &salt), config);
             let salted = chain_hashes(&tokens, chain_seed("m", &format!("{salt}x")), config);
             let other_model = chain_hashes(&tokens, chain_seed("m2", &salt), config);

@@ -1355,6 +1355,7 @@ mod tests {
     use super::*;
     use crate::hashing::{hash_request, HashConfig};
     use crate::request::parse_request;
+    use crate::tokenizer::NonAscii;
 
     fn hashes(text: &str) -> BlockHashes {
         let body = serde_json::json!({"model": "m", "prompt": text}).to_string();
@@ -1363,6 +1364,7 @@ mod tests {
             HashConfig {
                 block_size: 2,
                 include_partial: true,
+                ..HashConfig::default()
             },
         )
     }
@@ -1401,6 +1403,7 @@ mod tests {
             HashConfig {
                 block_size: 4,
                 include_partial: true,
+                ..HashConfig::default()
             },
         )
     }
@@ -1699,6 +1702,36 @@ mod tests {
         assert_eq!(second.scores[second.endpoint].prefix, 1.0);
         // 3·1 + 2·1 + 2·1 + 1·0.5
         assert_eq!(second.score(), 7.5);
+    }
+
+    #[test]
+    fn a_prompt_in_chinese_is_not_believed_cached_where_another_one_went() {
+        let chat = |system: &str, question: &str, non_ascii| {
+            let body = serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]})
+            .to_string();
+            let config = HashConfig {
+                block_size: 4,
+                non_ascii,
+                ..HashConfig::default()
+            };
+            hash_request(&parse_request(body.as_bytes()).unwrap(), config)
+        };
+        let support = "你是一个乐于助人的客服助手，专门回答关于订单、退货和物流的问题。";
+        let lawyer = "作为一名专业的法律顾问，请根据中国法律谨慎地回答合同纠纷的问题。";
+        for (non_ascii, believed) in [(NonAscii::Pieces, false), (NonAscii::Skip, true)] {
+            let mut r = router(Policy::Latency, 2);
+            let a = chat(support, "我的订单什么时候到？", non_ascii);
+            let d = r.pick(&a, &idle(2)).unwrap();
+            r.commit(&d, &a);
+            let b = chat(lawyer, "合同可以提前解除吗？", non_ascii);
+            let matched = r.matched_blocks(&b)[d.endpoint];
+            // Skipped, the characters leave two chat headers: the same full block in both.
+            assert_eq!(matched > 0, believed, "{non_ascii:?}: {matched} blocks");
+            assert_eq!(matched == b.chains[0].len() - 1, believed, "{non_ascii:?}");
+        }
     }
 
     #[test]

@@ -7,10 +7,12 @@
 //! (other symbols, non-ASCII letters) belong to no piece and are skipped, exactly as a regex
 //! `FindAll` would skip them.
 //!
-//! Word characters follow Go/RE2 `\w`: ASCII letters, digits and underscore only. RE2 is what the
-//! simulator uses, and the router only needs to agree with itself, so a non-ASCII letter is not a
-//! word character here (it is skipped); text in other scripts still yields tokens through its
-//! ASCII punctuation and digits, and the block hashes remain deterministic.
+//! Word characters follow Go/RE2 `\w`: ASCII letters, digits and underscore only, as the
+//! simulator's RE2 has them. What happens to a character outside ASCII is [`NonAscii`]'s choice:
+//! the simulator skips it (so Chinese or Japanese text yields almost no tokens, and every
+//! prompt in such a script would look like every other one to a router that skipped it too);
+//! by default here it is a piece of its own, about one token per character as a model's
+//! tokenizer gives such text, so prompts in any script are told apart and priced.
 //!
 //! The scanner is written by hand so the wasm plugin carries no regex engine.
 
@@ -21,6 +23,44 @@ const OTHER: u8 = 0;
 const WORD: u8 = 1;
 const PUNCT: u8 = 2;
 const SPACE: u8 = 3;
+/// The first byte of a UTF-8 character outside ASCII (continuation bytes are `OTHER`).
+const LEAD: u8 = 4;
+
+/// What the tokenizer does with a character outside ASCII (the plugin's `non_ascii`,
+/// `prefixroute … --non-ascii`). ASCII text tokenizes the same either way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NonAscii {
+    /// A piece of its own, owning the whitespace after it, as punctuation is: a prompt in
+    /// Chinese gets about one token per character, a model's tokenizer ~0.7–1.5.
+    #[default]
+    Pieces,
+    /// Skipped, as llm-d-inference-sim's `\w+` pattern skips it: the router's token ids then
+    /// equal that simulator's on every text, which `index: precise` in front of it needs (its
+    /// KV events carry its own ids). Text in other scripts then yields tokens only from its
+    /// ASCII characters.
+    Skip,
+}
+
+impl NonAscii {
+    pub const ALL: [NonAscii; 2] = [NonAscii::Pieces, NonAscii::Skip];
+    pub const NAMES: [&'static str; 2] = ["pieces", "skip"];
+
+    pub fn name(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+impl std::str::FromStr for NonAscii {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        NonAscii::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown non-ASCII rule {s:?} (expected pieces or skip)"))
+    }
+}
 
 /// Byte classes, looked up once per byte: the scanner is the hottest loop of a routing
 /// decision, and a table beats searching the punctuation list for every byte.
@@ -35,6 +75,9 @@ const CLASS: [u8; 256] = {
         // Whitespace as RE2 `\s` (and Go's): space, \t, \n, \v, \f, \r.
         if matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c) {
             table[b] = SPACE;
+        }
+        if c >= 0xc0 {
+            table[b] = LEAD;
         }
         b += 1;
     }
@@ -71,7 +114,8 @@ fn is_word_byte(b: u8) -> bool {
 /// Does `b` end every run before it (neither continues a word nor is whitespace)? Then no
 /// piece crosses it, and the text from it on tokenizes the same on its own.
 pub(crate) fn ends_runs(b: u8) -> bool {
-    !is_word_byte(b) && class(b) != SPACE
+    // A continuation byte would continue a non-ASCII character's piece.
+    !is_word_byte(b) && class(b) != SPACE && b & 0xc0 != 0x80
 }
 
 const FNV_OFFSET: u32 = 0x811c_9dc5;
@@ -88,14 +132,16 @@ pub fn fnv1a32(bytes: &[u8]) -> u32 {
 /// The one scanner: calls `emit` with each piece's byte range and token id, in order. Each
 /// byte is classified once and hashed as it is scanned (no piece slices, no second pass): this
 /// is the plugin's hottest loop, every prompt byte goes through it once per request.
-fn scan(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
+fn scan(bytes: &[u8], non_ascii: NonAscii, mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
+    let skip_lead = non_ascii == NonAscii::Skip;
     let n = bytes.len();
     let mut i = 0;
     while i < n {
-        // Skip bytes that start no piece. Pieces start and end on ASCII bytes, so every range
-        // falls on UTF-8 character boundaries.
+        // Skip bytes that start no piece. A piece starts on an ASCII byte or a character's
+        // first byte and ends after a whole character, so every range falls on UTF-8
+        // character boundaries.
         let first = class(bytes[i]);
-        if first == OTHER || first == SPACE {
+        if first == OTHER || first == SPACE || (first == LEAD && skip_lead) {
             i += 1;
             continue;
         }
@@ -110,6 +156,12 @@ fn scan(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
                 hash = fnv_step(hash, bytes[i]);
                 i += 1;
             }
+        } else if first == LEAD {
+            // The rest of the character: its continuation bytes.
+            while i < n && bytes[i] & 0xc0 == 0x80 {
+                hash = fnv_step(hash, bytes[i]);
+                i += 1;
+            }
         }
         while i < n && class(bytes[i]) == SPACE {
             hash = fnv_step(hash, bytes[i]);
@@ -121,39 +173,42 @@ fn scan(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
 
 /// The pieces of `text`, in order, each with its trailing whitespace (for explanations and
 /// tests; routing only needs their ids, see [`for_each_token`]).
-pub fn pieces(text: &str) -> Vec<&str> {
+pub fn pieces(text: &str, non_ascii: NonAscii) -> Vec<&str> {
     let mut out = Vec::new();
-    scan(text.as_bytes(), |range, _| out.push(&text[range]));
+    scan(text.as_bytes(), non_ascii, |range, _| {
+        out.push(&text[range])
+    });
     out
 }
 
 /// Calls `emit` with each token id of `text`, in order: the FNV-1a of every piece of
 /// [`pieces`].
-pub fn for_each_token(text: &str, mut emit: impl FnMut(u32)) {
-    scan(text.as_bytes(), |_, id| emit(id));
+pub fn for_each_token(text: &str, non_ascii: NonAscii, mut emit: impl FnMut(u32)) {
+    scan(text.as_bytes(), non_ascii, |_, id| emit(id));
 }
 
 /// [`for_each_token`] of UTF-8 text given as its bytes (text checked to be UTF-8 elsewhere,
-/// such as a JSON string read in place: the scanner reads bytes and skips every non-ASCII one,
-/// so it needs no second check).
-pub fn for_each_token_in_bytes(text: &[u8], mut emit: impl FnMut(u32)) {
-    scan(text, |_, id| emit(id));
+/// such as a JSON string read in place: the scanner reads bytes, so it needs no second check).
+pub fn for_each_token_in_bytes(text: &[u8], non_ascii: NonAscii, mut emit: impl FnMut(u32)) {
+    scan(text, non_ascii, |_, id| emit(id));
 }
 
 /// [`for_each_token`] with the byte offset where each token's piece starts.
-pub fn for_each_token_at(text: &str, mut emit: impl FnMut(usize, u32)) {
-    scan(text.as_bytes(), |range, id| emit(range.start, id));
+pub fn for_each_token_at(text: &str, non_ascii: NonAscii, mut emit: impl FnMut(usize, u32)) {
+    scan(text.as_bytes(), non_ascii, |range, id| {
+        emit(range.start, id)
+    });
 }
 
 /// Token ids of `text`, appended to `out` (so callers can reuse one buffer).
-pub fn tokenize_into(text: &str, out: &mut Vec<u32>) {
-    for_each_token(text, |id| out.push(id));
+pub fn tokenize_into(text: &str, non_ascii: NonAscii, out: &mut Vec<u32>) {
+    for_each_token(text, non_ascii, |id| out.push(id));
 }
 
 /// Token ids of `text`.
-pub fn tokenize(text: &str) -> Vec<u32> {
+pub fn tokenize(text: &str, non_ascii: NonAscii) -> Vec<u32> {
     let mut out = Vec::with_capacity(text.len() / 4 + 1);
-    tokenize_into(text, &mut out);
+    tokenize_into(text, non_ascii, &mut out);
     out
 }
 
@@ -162,7 +217,7 @@ mod tests {
     use super::*;
 
     fn pieces_of(text: &str) -> Vec<&str> {
-        pieces(text)
+        pieces(text, NonAscii::default())
     }
 
     #[test]
@@ -174,6 +229,8 @@ mod tests {
                 WORD
             } else if b" \t\n\r\x0b\x0c".contains(&b) {
                 SPACE
+            } else if b >= 0xc0 {
+                LEAD
             } else {
                 OTHER
             };
@@ -211,33 +268,92 @@ mod tests {
     }
 
     #[test]
-    fn non_ascii_letters_are_not_word_characters() {
-        // RE2 `\w` is ASCII-only: "é" splits the word and is itself skipped.
-        assert_eq!(pieces_of("café au"), vec!["caf", "au"]);
-        assert_eq!(pieces_of("日本語 2024."), vec!["2024", "."]);
+    fn a_character_outside_ascii_is_a_piece_of_its_own_by_default() {
+        // RE2 `\w` is ASCII-only: "é" splits the word either way.
+        assert_eq!(pieces_of("café au"), vec!["caf", "é ", "au"]);
+        assert_eq!(
+            pieces_of("日本語 2024。🦀"),
+            vec!["日", "本", "語 ", "2024", "。", "🦀"]
+        );
+    }
+
+    #[test]
+    fn with_skip_a_character_outside_ascii_is_skipped_as_the_simulator_does() {
+        assert_eq!(pieces("café au", NonAscii::Skip), vec!["caf", "au"]);
+        assert_eq!(pieces("日本語 2024.", NonAscii::Skip), vec!["2024", "."]);
+    }
+
+    #[test]
+    fn prompts_in_chinese_are_told_apart_only_when_their_characters_are_pieces() {
+        let a = "<|system|>\n你是一个乐于助人的客服助手。\n<|user|>\n我的订单什么时候到？\n";
+        let b = "<|system|>\n你是一名专业的法律顾问。\n<|user|>\n合同可以提前解除吗？\n";
+        assert_ne!(tokenize(a, NonAscii::Pieces), tokenize(b, NonAscii::Pieces));
+        assert!(tokenize(a, NonAscii::Pieces).len() > 20);
+        // Skipped, the two are the same six tokens: their chat headers.
+        assert_eq!(tokenize(a, NonAscii::Skip), tokenize(b, NonAscii::Skip));
+        assert_eq!(tokenize(a, NonAscii::Skip).len(), 6);
     }
 
     #[test]
     fn token_ids_are_fnv_of_piece_with_whitespace() {
-        let ids = tokenize("a b");
+        let ids = tokenize("a b", NonAscii::default());
         assert_eq!(ids, vec![fnv1a32(b"a "), fnv1a32(b"b")]);
-        assert_ne!(tokenize("a b"), tokenize("ab"));
+        assert_ne!(ids, tokenize("ab", NonAscii::default()));
     }
 
     #[test]
     fn tokenize_into_appends() {
         let mut buf = vec![7];
-        tokenize_into("x", &mut buf);
+        tokenize_into("x", NonAscii::default(), &mut buf);
         assert_eq!(buf, vec![7, fnv1a32(b"x")]);
+    }
+
+    #[test]
+    fn rules_have_names() {
+        for rule in NonAscii::ALL {
+            assert_eq!(rule.name().parse::<NonAscii>(), Ok(rule));
+        }
+        assert!("none".parse::<NonAscii>().is_err());
     }
 
     proptest::proptest! {
         #[test]
         fn each_token_id_is_the_fnv_of_its_piece(
-            text in "[a-zA-Z0-9_ \t\n,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|é日-]{0,80}"
+            text in "[a-zA-Z0-9_ \t\n,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|é日🦀-]{0,80}",
+            skip in proptest::bool::ANY,
         ) {
-            let from_pieces: Vec<u32> = pieces(&text).iter().map(|p| fnv1a32(p.as_bytes())).collect();
-            proptest::prop_assert_eq!(tokenize(&text), from_pieces);
+            let rule = if skip { NonAscii::Skip } else { NonAscii::Pieces };
+            let from_pieces: Vec<u32> =
+                pieces(&text, rule).iter().map(|p| fnv1a32(p.as_bytes())).collect();
+            proptest::prop_assert_eq!(tokenize(&text, rule), from_pieces);
+        }
+
+        #[test]
+        fn ascii_text_tokenizes_alike_under_either_rule(
+            text in "[a-zA-Z0-9_ \t\n,.!?:;{}()<>=+*&^%$#@~/|-]{0,80}"
+        ) {
+            proptest::prop_assert_eq!(
+                tokenize(&text, NonAscii::Pieces),
+                tokenize(&text, NonAscii::Skip)
+            );
+        }
+
+        #[test]
+        fn text_from_a_piece_boundary_on_tokenizes_the_same_on_its_own(
+            text in "[a-z ,<é日🦀]{0,60}",
+            at in 0usize..60,
+        ) {
+            // What the memo relies on (`ends_runs`): at a byte that ends every run, the rest
+            // of the text is the rest of the pieces.
+            let at = at.min(text.len());
+            if text.is_char_boundary(at) && text.as_bytes().get(at).is_some_and(|&b| ends_runs(b)) {
+                for rule in NonAscii::ALL {
+                    let whole = tokenize(&text, rule);
+                    let (head, tail) = (tokenize(&text[..at], rule), tokenize(&text[at..], rule));
+                    proptest::prop_assert_eq!(&whole[whole.len() - tail.len()..], &tail[..]);
+                    proptest::prop_assert_eq!(whole.len(), head.len() + tail.len());
+                }
+            }
         }
     }
 }

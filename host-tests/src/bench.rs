@@ -181,6 +181,7 @@ fn row(n: usize, target: usize, warm: bool, body: &[u8], rt: &crate::RoundTrip) 
         prefixroute_core::HashConfig {
             block_size: 16,
             include_partial: true,
+            ..prefixroute_core::HashConfig::default()
         },
     );
     Row {

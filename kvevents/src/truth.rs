@@ -253,6 +253,7 @@ mod tests {
             HashConfig {
                 block_size: 4,
                 include_partial: false,
+                ..HashConfig::default()
             },
         )
     }

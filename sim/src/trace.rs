@@ -62,6 +62,55 @@ pub enum TraceError {
     Parse { line: usize, message: String },
 }
 
+/// The writing system of a generated trace's text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Script {
+    /// English-like words separated by spaces.
+    #[default]
+    Latin,
+    /// The same text in Chinese characters: each word becomes two characters (the same two
+    /// for the same word), with no spaces between them and Chinese punctuation, so a
+    /// prompt is mostly non-ASCII, as it is for the many users who prompt in Chinese.
+    /// Digits, chat roles and JSON stay ASCII.
+    Han,
+}
+
+/// `text` in Chinese characters (see [`Script::Han`]).
+fn han(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 3);
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        if !word.is_empty() {
+            // Two characters from the CJK Unified Ideographs block (U+4E00..U+9FFF), picked
+            // by the word's hash: the same word is always the same two characters.
+            let h = xxhash_rust::xxh64::xxh64(word.as_bytes(), 0);
+            for k in 0..2 {
+                let code = 0x4e00 + ((h >> (20 * k)) % 0x5200) as u32;
+                out.push(char::from_u32(code).unwrap_or('字'));
+            }
+            word.clear();
+        }
+    };
+    for c in text.chars() {
+        if c.is_ascii_alphabetic() {
+            word.push(c);
+            continue;
+        }
+        flush(&mut word, &mut out);
+        match c {
+            '.' => out.push('。'),
+            ',' => out.push('，'),
+            '?' => out.push('？'),
+            ':' => out.push('：'),
+            ' ' => {}
+            c => out.push(c),
+        }
+    }
+    flush(&mut word, &mut out);
+    out
+}
+
 /// Parameters of a generated trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -87,6 +136,8 @@ pub struct TraceSpec {
     /// Bodies ask for a streamed answer (`"stream": true`), so a replay can time each answer's
     /// first token apart from its decoding (see `prefixroute replay`'s `ttft_ms`).
     pub stream: bool,
+    /// The writing system of the prompts.
+    pub script: Script,
     pub seed: u64,
 }
 
@@ -104,6 +155,7 @@ impl Default for TraceSpec {
             model: "cc-sim".into(),
             max_tokens: 16,
             stream: false,
+            script: Script::Latin,
             seed: 42,
         }
     }
@@ -337,7 +389,14 @@ impl TraceSpec {
 
     /// Generates the trace. The same spec always gives the same trace.
     /// A request's OpenAI chat body.
-    fn body(&self, messages: Vec<Value>) -> Value {
+    fn body(&self, mut messages: Vec<Value>) -> Value {
+        if self.script == Script::Han {
+            for m in &mut messages {
+                if let Some(text) = m["content"].as_str() {
+                    m["content"] = Value::String(han(text));
+                }
+            }
+        }
         let mut body =
             json!({"model": self.model, "messages": messages, "max_tokens": self.max_tokens});
         if self.stream {
@@ -572,7 +631,9 @@ mod tests {
         let other = trace.iter().find(|r| r.group != "tenant-0").unwrap();
         assert_ne!(system(other), system(t0[0]));
         // 180 words plus punctuation.
-        assert!(prefixroute_core::tokenizer::tokenize(&system(t0[0])).len() > 180);
+        assert!(
+            prefixroute_core::tokenizer::tokenize(&system(t0[0]), Default::default()).len() > 180
+        );
     }
 
     #[test]
@@ -687,6 +748,61 @@ mod tests {
             .collect();
         assert!(lens.windows(2).all(|w| w[1] == w[0] + 2), "{lens:?}");
         assert_eq!(TraceShape::ALL.len(), 5);
+    }
+
+    #[test]
+    fn a_han_trace_is_the_same_trace_in_chinese_characters_told_apart_by_the_router() {
+        use prefixroute_core::hashing::{hash_request, HashConfig};
+        use prefixroute_core::tokenizer::NonAscii;
+        let latin = TraceSpec {
+            tenants: 4,
+            requests: 40,
+            ..TraceSpec::default()
+        };
+        let han = TraceSpec {
+            script: Script::Han,
+            ..latin.clone()
+        };
+        let (latin, han) = (latin.generate().unwrap(), han.generate().unwrap());
+        let content = |r: &TraceRecord, m: usize| {
+            r.body["messages"][m]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let system = content(&han[0], 0);
+        assert!(system.chars().filter(|c| !c.is_ascii()).count() > system.chars().count() * 9 / 10);
+        let blocks = |r: &TraceRecord, non_ascii| {
+            let parsed = prefixroute_core::parse_request(r.body.to_string().as_bytes()).unwrap();
+            let config = HashConfig {
+                non_ascii,
+                ..HashConfig::default()
+            };
+            hash_request(&parsed, config).chains[0].clone()
+        };
+        for (l, h) in latin.iter().zip(&han) {
+            // The same arrivals and groups; the same word, the same characters.
+            assert_eq!((l.t, &l.group), (h.t, &h.group));
+            assert_eq!(
+                content(l, 0) == content(&latin[0], 0),
+                content(h, 0) == system
+            );
+            // Each tenant's questions share its prefix and no other tenant's.
+            let other = han.iter().find(|o| o.group != h.group).unwrap();
+            let shared = |a: &[u64], b: &[u64]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            let (mine, theirs) = (blocks(h, NonAscii::Pieces), blocks(other, NonAscii::Pieces));
+            assert!(
+                shared(&mine, &theirs) <= 1,
+                "{} and {}",
+                h.group,
+                other.group
+            );
+            if h.group == han[0].group {
+                assert!(shared(&mine, &blocks(&han[0], NonAscii::Pieces)) >= mine.len() / 2);
+            }
+            // Skipped, every tenant's prompt is its chat headers and its digits.
+            assert!(blocks(h, NonAscii::Skip).len() <= 1);
+        }
     }
 
     #[test]

@@ -76,6 +76,7 @@ fn start_replica(args: &Args, name: &str) -> Result<FakeReplica> {
         .args(["fake-server", "--port", "0", "--name", name])
         .args(["--kv-blocks", &args.kv_blocks.to_string()])
         .args(["--block-size", &args.plugin.block_size().to_string()])
+        .args(["--non-ascii", args.plugin.non_ascii().name()])
         .args(["--lanes", &args.lanes.to_string()])
         .args([
             "--prefill-overhead-ms",

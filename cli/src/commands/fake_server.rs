@@ -23,6 +23,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 
+use prefixroute_core::tokenizer::NonAscii;
 use replica::ReplicaConfig;
 use routes::Server;
 
@@ -49,6 +50,10 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16, value_parser = positive)]
     block_size: usize,
+    /// Characters outside ASCII: one token each (`pieces`), or skipped as llm-d-inference-sim
+    /// does (`skip`). The router's `non_ascii` must say the same.
+    #[arg(long, default_value = "pieces")]
+    non_ascii: NonAscii,
     /// Requests served at once; the rest wait (`vllm:num_requests_waiting`).
     #[arg(long, default_value_t = 4, value_parser = lanes)]
     lanes: usize,
@@ -107,6 +112,7 @@ async fn serve(args: Args) -> Result<()> {
         model: args.model,
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,
+        non_ascii: args.non_ascii,
         lanes: args.lanes,
         prefill_overhead_ms: args.prefill_overhead_ms,
         prefill_ms_per_token: args.prefill_ms_per_token,

@@ -3,6 +3,7 @@ use std::io::Read;
 use anyhow::{Context, Result};
 use prefixroute_core::hashing::{hash_request, HashConfig};
 use prefixroute_core::request::{parse_request, ParsedRequest, Prompt};
+use prefixroute_core::tokenizer::NonAscii;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -17,6 +18,10 @@ pub struct Args {
     /// Leave out the final partial block, as a server's cache does.
     #[arg(long)]
     full_blocks_only: bool,
+    /// Characters outside ASCII: one token each (`pieces`) or skipped (`skip`, as
+    /// llm-d-inference-sim does); the plugin's `non_ascii`.
+    #[arg(long, default_value = "pieces")]
+    non_ascii: NonAscii,
     #[arg(long)]
     json: bool,
 }
@@ -52,6 +57,7 @@ pub fn run(args: Args) -> Result<()> {
     let config = HashConfig {
         block_size: args.block_size,
         include_partial: !args.full_blocks_only,
+        non_ascii: args.non_ascii,
     };
     let hashes = hash_request(&request, config);
     if args.json {

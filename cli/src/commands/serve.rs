@@ -6,6 +6,7 @@ use prefixroute_core::config::{
     EndpointConfig, IndexMode, Placement, PluginConfig, Policy, Weights,
 };
 use prefixroute_core::latency::LatencyConfig;
+use prefixroute_core::tokenizer::NonAscii;
 
 use crate::envoy::{self, Balancer, EnvoySetup, Pool};
 
@@ -79,6 +80,10 @@ pub struct PluginArgs {
     balance_factor: f64,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Characters outside ASCII: one token each (`pieces`), or skipped as llm-d-inference-sim
+    /// does (`skip`: what `--index precise` in front of it needs).
+    #[arg(long, default_value = "pieces")]
+    non_ascii: NonAscii,
     /// Index capacity per endpoint, in blocks.
     #[arg(long, default_value_t = prefixroute_core::index::DEFAULT_CAPACITY_BLOCKS)]
     index_capacity: usize,
@@ -140,6 +145,10 @@ impl PluginArgs {
         self.block_size
     }
 
+    pub fn non_ascii(&self) -> NonAscii {
+        self.non_ascii
+    }
+
     /// The relay's address for --index precise (an error without it).
     pub fn kv_relay(&self) -> Result<Option<SocketAddr>> {
         match (self.index, self.kv_relay) {
@@ -179,6 +188,7 @@ impl PluginArgs {
             policy,
             weights: self.weights,
             block_size: self.block_size,
+            non_ascii: self.non_ascii,
             index_capacity_blocks: self.index_capacity,
             destination_header: self.header.clone(),
             max_body_bytes: self.max_body_bytes,

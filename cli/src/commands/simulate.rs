@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use prefixroute_core::config::{IndexMode, Placement, Policy, Weights};
 use prefixroute_core::latency::LatencyConfig;
+use prefixroute_core::tokenizer::NonAscii;
 use prefixroute_sim::disagg::{self, fmt_bytes};
 use prefixroute_sim::fleet::FleetEvent;
 use prefixroute_sim::pd::PdConfig;
@@ -35,6 +36,10 @@ pub struct Args {
     index_capacity_blocks: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Characters outside ASCII: one token each (`pieces`) or skipped (`skip`, as
+    /// llm-d-inference-sim does); routers and replicas tokenize alike.
+    #[arg(long, default_value = "pieces")]
+    non_ascii: NonAscii,
     /// Concurrent sequences per replica.
     #[arg(long, default_value_t = ReplicaTiming::default().lanes)]
     slots: usize,
@@ -223,6 +228,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     base.router.weights = args.weights;
     base.router.hash.block_size = args.block_size;
+    base.router.hash.non_ascii = args.non_ascii;
     base.router.index_capacity_blocks = args.index_capacity_blocks;
     base.router.seed = args.seed;
     base.router.placement = args.placement;

@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use prefixroute_sim::trace::{to_jsonl, TraceShape, TraceSpec};
+use prefixroute_sim::trace::{to_jsonl, Script, TraceShape, TraceSpec};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,8 +40,18 @@ pub struct Args {
     /// token (`ttft_ms`) apart from its decoding.
     #[arg(long)]
     stream: bool,
+    /// The prompts' writing system: English-like words (`latin`) or the same text in Chinese
+    /// characters (`han`), to see how a router handles prompts that are not ASCII.
+    #[arg(long, value_enum, default_value = "latin")]
+    script: ScriptArg,
     #[arg(long, default_value_t = 42)]
     seed: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ScriptArg {
+    Latin,
+    Han,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -74,6 +84,10 @@ pub fn run(args: Args) -> Result<()> {
         model: args.model,
         max_tokens: args.max_tokens,
         stream: args.stream,
+        script: match args.script {
+            ScriptArg::Latin => Script::Latin,
+            ScriptArg::Han => Script::Han,
+        },
         seed: args.seed,
     };
     let records = spec.generate()?;

@@ -136,12 +136,12 @@ impl ChainMemo {
     /// (and remembering it when it is long enough).
     pub(super) fn chain(&mut self, message: &str, chain: &mut Chainer, out: &mut Vec<u64>) {
         if message.len() < MIN_MESSAGE_BYTES {
-            for_each_token(message, |id| chain.push(id, out));
+            for_each_token(message, chain.non_ascii, |id| chain.push(id, out));
             return;
         }
         let key = xxh64(message.as_bytes(), chain.state_key());
         self.chain_keyed(key, message.len(), chain, out, |chain, out| {
-            for_each_token(message, |id| chain.push(id, out))
+            for_each_token(message, chain.non_ascii, |id| chain.push(id, out))
         });
     }
 
@@ -173,7 +173,7 @@ impl ChainMemo {
         };
         if bytes < MIN_MESSAGE_BYTES {
             flatten(scratch);
-            for_each_token_in_bytes(scratch, |id| chain.push(id, out));
+            for_each_token_in_bytes(scratch, chain.non_ascii, |id| chain.push(id, out));
             return;
         }
         // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
@@ -182,7 +182,7 @@ impl ChainMemo {
         let key = xxh64(content, role);
         self.chain_keyed(key, bytes, chain, out, |chain, out| {
             flatten(scratch);
-            for_each_token_in_bytes(scratch, |id| chain.push(id, out));
+            for_each_token_in_bytes(scratch, chain.non_ascii, |id| chain.push(id, out));
         });
     }
 
@@ -285,6 +285,7 @@ mod tests {
     const CONFIG: HashConfig = HashConfig {
         block_size: 16,
         include_partial: true,
+        non_ascii: crate::tokenizer::NonAscii::Pieces,
     };
 
     #[test]
@@ -401,7 +402,7 @@ mod tests {
             include_partial in any::<bool>(),
             capacity in 0usize..300,
         ) {
-            let config = HashConfig { block_size, include_partial };
+            let config = HashConfig { block_size, include_partial, ..HashConfig::default() };
             let roles = ["system", "user", "assistant"];
             let mut memo = ChainMemo::new(capacity);
             for messages in &chats {
@@ -423,7 +424,7 @@ mod tests {
             prompts in proptest::collection::vec(0usize..4, 1..8),
             block_size in 1usize..20,
         ) {
-            let config = HashConfig { block_size, include_partial: true };
+            let config = HashConfig { block_size, include_partial: true, ..HashConfig::default() };
             let mut memo = ChainMemo::default();
             for &p in &prompts {
                 let body = serde_json::json!({"model": "m", "prompt": text(p, 90)}).to_string();

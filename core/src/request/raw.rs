@@ -524,6 +524,7 @@ pub(super) mod tests {
             let config = HashConfig {
                 block_size,
                 include_partial: true,
+                ..HashConfig::default()
             };
             let mut raw = BlockHashes::default();
             hash_chat_memo_into(chat, config, &mut ChainMemo::default(), &mut raw);

@@ -41,6 +41,7 @@ fn full_blocks(body: &[u8]) -> Vec<u64> {
         HashConfig {
             block_size: 4,
             include_partial: false,
+            ..HashConfig::default()
         },
     )
     .chains

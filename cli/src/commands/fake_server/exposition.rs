@@ -120,6 +120,7 @@ mod tests {
             model: model.into(),
             kv_blocks: 64,
             block_size: 16,
+            non_ascii: prefixroute_core::tokenizer::NonAscii::Pieces,
             lanes: 4,
             prefill_overhead_ms: 5.0,
             prefill_ms_per_token: 1.0,

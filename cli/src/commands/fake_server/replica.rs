@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use prefixroute_core::hashing::{hash_request, hash_request_memo, ChainMemo, HashConfig};
 use prefixroute_core::request::{ParsedRequest, Prompt};
-use prefixroute_core::tokenizer::tokenize;
+use prefixroute_core::tokenizer::{tokenize, NonAscii};
 use prefixroute_kvevents::schema::{EngineHash, Event};
 use prefixroute_sim::replica::{BlockCache, CacheChange};
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
@@ -23,6 +23,8 @@ pub struct ReplicaConfig {
     pub model: String,
     pub kv_blocks: usize,
     pub block_size: usize,
+    /// How the server tokenizes characters outside ASCII (the router must do it alike).
+    pub non_ascii: NonAscii,
     pub lanes: usize,
     pub prefill_overhead_ms: f64,
     pub prefill_ms_per_token: f64,
@@ -44,7 +46,12 @@ impl Job {
     /// completely computed, unlike the router, which also names the partial tail.
     #[cfg(test)]
     pub fn new(request: &ParsedRequest, block_size: usize, output_tokens: usize) -> Job {
-        Job::build(request, block_size, output_tokens, None, true)
+        let hash = HashConfig {
+            block_size,
+            include_partial: false,
+            non_ascii: NonAscii::default(),
+        };
+        Job::build(request, hash, output_tokens, None, true)
     }
 
     /// `Job::new` (the tests' constructor) through `memo` (a system prompt seen before is not
@@ -52,15 +59,11 @@ impl Job {
     /// nothing else reads them).
     fn build(
         request: &ParsedRequest,
-        block_size: usize,
+        config: HashConfig,
         output_tokens: usize,
         memo: Option<&mut ChainMemo>,
         token_ids: bool,
     ) -> Job {
-        let config = HashConfig {
-            block_size,
-            include_partial: false,
-        };
         let hashes = match memo {
             Some(memo) => hash_request_memo(request, config, memo),
             None => hash_request(request, config),
@@ -70,7 +73,7 @@ impl Job {
                 .prompts
                 .iter()
                 .map(|p| match p {
-                    Prompt::Text(text) => tokenize(text),
+                    Prompt::Text(text) => tokenize(text, config.non_ascii),
                     Prompt::Tokens(ids) => ids.clone(),
                 })
                 .collect()
@@ -201,10 +204,14 @@ impl Replica {
     /// The job of `request`: its full-block chains, hashed through the replica's memo.
     pub fn job(&self, request: &ParsedRequest, output_tokens: usize) -> Job {
         let mut memo = self.memo.lock().unwrap_or_else(PoisonError::into_inner);
-        let block_size = self.config.block_size;
+        let hash = HashConfig {
+            block_size: self.config.block_size,
+            include_partial: false,
+            non_ascii: self.config.non_ascii,
+        };
         Job::build(
             request,
-            block_size,
+            hash,
             output_tokens,
             Some(&mut memo),
             self.events.is_some(),
@@ -359,6 +366,7 @@ mod tests {
             model: "m".into(),
             kv_blocks: 64,
             block_size: 4,
+            non_ascii: prefixroute_core::tokenizer::NonAscii::Pieces,
             lanes,
             prefill_overhead_ms: 0.0,
             prefill_ms_per_token: 0.0,

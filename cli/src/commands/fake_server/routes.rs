@@ -401,6 +401,7 @@ mod tests {
             model: "cc-sim".into(),
             kv_blocks: 64,
             block_size: 16,
+            non_ascii: prefixroute_core::tokenizer::NonAscii::Pieces,
             lanes: 4,
             prefill_overhead_ms: 0.0,
             prefill_ms_per_token: 0.0,
