@@ -50,14 +50,17 @@ if ! command -v "$wasm_opt" >/dev/null; then
   exit 0
 fi
 # Exactly the features rustc's wasm32-wasip1 target enables (`rustc --print cfg --target
-# wasm32-wasip1`), plus SIMD, which .cargo/config.toml enables for this target (core's chat
-# reader scans and checks strings 16 bytes at a time), so wasm-opt validates the module and
-# introduces nothing Envoy's V8 or wasmtime would not run (both run SIMD; wasm-opt may then
-# also copy memory 16 bytes at a time).
-"$wasm_opt" "${passes[@]}" \
-  --enable-bulk-memory --enable-sign-ext --enable-mutable-globals \
-  --enable-nontrapping-float-to-int --enable-multivalue --enable-reference-types --enable-simd \
-  "$wasm" -o "$cache.tmp"
+# wasm32-wasip1`), so wasm-opt validates the module and introduces nothing Envoy's V8 or
+# wasmtime would not run; plus SIMD when the module already uses it (.cargo/config.toml enables
+# it for this target: core's chat reader scans and checks strings 16 bytes at a time; wasm-opt
+# may then also copy memory 16 bytes at a time). A module built without it (`RUSTFLAGS=`)
+# validates without SIMD, so wasm-opt is not allowed to add any.
+features=(--enable-bulk-memory --enable-sign-ext --enable-mutable-globals
+  --enable-nontrapping-float-to-int --enable-multivalue --enable-reference-types)
+if ! "$wasm_opt" "${features[@]}" "$wasm" -o /dev/null 2>/dev/null; then
+  features+=(--enable-simd)
+fi
+"$wasm_opt" "${passes[@]}" "${features[@]}" "$wasm" -o "$cache.tmp"
 mv "$cache.tmp" "$cache"
 echo "$linked" >"$cache.from"
 cp "$cache" "$wasm.tmp" && mv "$wasm.tmp" "$wasm"
