@@ -4,8 +4,8 @@
 //! split into pieces, each piece is either one punctuation character from a fixed set or a run of
 //! word characters, and each piece owns the whitespace that follows it. A token id is the 32-bit
 //! FNV-1a hash of the piece's text (including that whitespace). Characters that are neither
-//! (other symbols, non-ASCII letters) belong to no piece and are skipped, exactly as a regex
-//! `FindAll` would skip them.
+//! (the other ASCII symbols, and there every character outside ASCII) belong to no piece and
+//! are skipped, exactly as a regex `FindAll` would skip them.
 //!
 //! Word characters follow Go/RE2 `\w`: ASCII letters, digits and underscore only, as the
 //! simulator's RE2 has them. What happens to a character outside ASCII is [`NonAscii`]'s choice:
@@ -83,7 +83,7 @@ const CLASS: [u8; 256] = {
             table[b] = SPACE;
         }
         if c >= 0xc0 {
-            table[b] = if c >= 0xc3 && c <= 0xdf {
+            table[b] = if matches!(c, 0xc3..=0xdf) {
                 LETTER_LEAD
             } else {
                 LEAD
@@ -135,16 +135,12 @@ fn class(b: u8) -> u8 {
     CLASS[b as usize]
 }
 
-fn is_word_byte(b: u8) -> bool {
-    CONTINUES_WORD[b as usize]
-}
-
 /// Does `b` end every run before it (neither continues a word nor is whitespace)? Then no
 /// piece crosses it, and the text from it on tokenizes the same on its own.
 pub(crate) fn ends_runs(b: u8) -> bool {
     // A continuation byte would continue a character's piece, a letter a word (under either
     // rule, so that this holds for both).
-    !is_word_byte(b) && !CONTINUES_WORD_OR_LETTER[b as usize] && class(b) != SPACE
+    !CONTINUES_WORD_OR_LETTER[b as usize] && class(b) != SPACE
 }
 
 const FNV_OFFSET: u32 = 0x811c_9dc5;
@@ -171,7 +167,6 @@ fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usiz
 }
 
 fn scan_with<const SKIP: bool>(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
-    let skip = SKIP;
     let continues = if SKIP {
         &CONTINUES_WORD
     } else {
@@ -184,7 +179,7 @@ fn scan_with<const SKIP: bool>(bytes: &[u8], mut emit: impl FnMut(std::ops::Rang
         // first byte and ends after a whole character, so every range falls on UTF-8
         // character boundaries.
         let first = class(bytes[i]);
-        if first == OTHER || first == SPACE || (first >= LEAD && skip) {
+        if first == OTHER || first == SPACE || (first >= LEAD && SKIP) {
             i += 1;
             continue;
         }
@@ -261,6 +256,10 @@ mod tests {
 
     fn pieces_of(text: &str) -> Vec<&str> {
         pieces(text, NonAscii::default())
+    }
+
+    fn is_word_byte(b: u8) -> bool {
+        CONTINUES_WORD[b as usize]
     }
 
     #[test]
