@@ -189,6 +189,41 @@ describe('web demo', { concurrency: false }, () => {
     assert.deepEqual(browser, cli);
   });
 
+  test('a trace in Chinese characters is routed on its characters, as the CLI generates it', async () => {
+    const bin = process.env.PREFIXROUTE_BIN;
+    if (bin) {
+      const args = ['trace', '-o', '-', '--seed', '7', '--requests', '20', '--script', 'han'];
+      const cli = execFileSync(bin, args).toString().trim().split('\n').map((l) => JSON.parse(l));
+      const browser = JSON.parse(await page.evaluate(async () => {
+        const core = await import('./pkg/prefixroute_web_demo.js');
+        return core.generateTrace(JSON.stringify({ seed: 7, requests: 20, script: 'han' }));
+      }));
+      assert.deepEqual(browser, cli);
+    }
+    const latin = await stripHashes();
+    const rebuilt = (old) => page.waitForFunction((o) => [...document.querySelectorAll('#strip .blk')]
+      .map((el) => el.dataset.hash).join() !== o, old.join());
+    await page.selectOption('#script', 'han');
+    await rebuilt(latin);
+    assert.equal(await progress(), '0 / 64');
+    await page.click('#step');
+    await page.waitForSelector('[data-testid="winner"]');
+    // Each character is a token: a tenant's ~360-character system prompt, not its chat headers.
+    const line = await page.textContent('#verdict .core-line');
+    const [, tokens] = /match 0\/\d+ blocks, (\d+) uncached tokens/.exec(line) ?? [];
+    assert.ok(Number(tokens) > 200, line);
+    let hit = false;
+    for (let i = 0; i < 30 && !hit; i += 1) {
+      await page.click('#step');
+      hit = (await page.textContent('[data-testid="outcome"]')) === 'HIT';
+    }
+    assert.ok(hit, 'a Chinese tenant\'s cached prefix is reused within 30 requests');
+    const han = await stripHashes();
+    await page.selectOption('#script', 'latin');
+    await rebuilt(han);
+    assert.deepEqual(await stripHashes(), latin);
+  });
+
   test('changing controls rebuilds fleet and router', async () => {
     await setField('replicas', 4);
     await page.waitForFunction(() => document.querySelectorAll('#replica-cards .replica').length === 4);

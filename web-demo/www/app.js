@@ -111,6 +111,7 @@ const field = (name) => form.elements.namedItem(name);
 function fillForm(d) {
   const { trace, sim } = d;
   field('shape').value = trace.shape;
+  field('script').value = trace.script;
   field('tenants').value = trace.tenants;
   field('prompt_words').value = trace.prompt_words;
   field('question_words').value = trace.question_words;
@@ -145,6 +146,7 @@ function readForm() {
   const real = (name) => Number.parseFloat(field(name).value);
   const { trace, sim } = settings;
   trace.shape = field('shape').value;
+  trace.script = field('script').value;
   trace.tenants = int('tenants');
   trace.prompt_words = int('prompt_words');
   trace.question_words = int('question_words');
