@@ -7,7 +7,7 @@
 use xxhash_rust::xxh64::Xxh64;
 
 use crate::request::{ParsedRequest, Prompt, RawChat};
-use crate::tokenizer::{for_each_token_at, NonAscii};
+use crate::tokenizer::{for_each_token_at, for_each_token_stopped, NonAscii, Stopped};
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -218,6 +218,37 @@ impl Chainer {
             self.filled = 0;
             self.full_tokens += self.block_size;
         }
+    }
+
+    /// [`Chainer::push_stopped`] of `text`, copied once into a buffer with the stop after it.
+    fn push_text(&mut self, text: &str, out: &mut Vec<u64>) {
+        let mut buf = Vec::with_capacity(text.len() + 1);
+        buf.extend_from_slice(text.as_bytes());
+        self.push_stopped(Stopped::stop(&mut buf), out);
+    }
+
+    /// [`Chainer::push`] of every token of `text`. The chain's state is kept in locals while
+    /// the text is scanned and written back once (pushed token by token through `&mut self`,
+    /// each token loads and stores the fill count through memory).
+    fn push_stopped(&mut self, text: Stopped<'_>, out: &mut Vec<u64>) {
+        let block_size = self.block_size;
+        let (mut parent, mut filled, mut full) = (self.parent, self.filled, 0);
+        let pending = &mut self.pending[..];
+        for_each_token_stopped(text, self.non_ascii, |id| {
+            if let Some(slot) = pending.get_mut(filled) {
+                *slot = id;
+            }
+            filled += 1;
+            if filled == block_size {
+                parent = block_hash(pending, parent);
+                out.push(parent);
+                filled = 0;
+                full += block_size;
+            }
+        });
+        self.parent = parent;
+        self.filled = filled;
+        self.full_tokens += full;
     }
 
     /// Tokens so far.

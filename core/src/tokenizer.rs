@@ -131,6 +131,17 @@ const CONTINUES_WORD_OR_LETTER: [bool; 256] = {
     table
 };
 
+/// Whitespace as RE2 `\s` has it (the class SPACE), as a table the scanner's runs read.
+const IS_SPACE: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = CLASS[b] == SPACE;
+        b += 1;
+    }
+    table
+};
+
 fn class(b: u8) -> u8 {
     CLASS[b as usize]
 }
@@ -154,58 +165,115 @@ pub fn fnv1a32(bytes: &[u8]) -> u32 {
     bytes.iter().fold(FNV_OFFSET, |hash, &b| fnv_step(hash, b))
 }
 
-/// The one scanner: calls `emit` with each piece's byte range and token id, in order. Each
-/// byte is classified once and hashed as it is scanned (no piece slices, no second pass): this
-/// is the plugin's hottest loop, every prompt byte goes through it once per request.
-fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usize>, u32)) {
-    // One loop per rule, each with its table at a fixed address: choosing the table at run
-    // time cost ~8% more instructions per token on a cold prompt.
-    match non_ascii {
-        NonAscii::Pieces => scan_with::<false>(bytes, emit),
-        NonAscii::Skip => scan_with::<true>(bytes, emit),
+/// The byte after a text that the scanner reads: it continues no run (it is neither a word
+/// byte, a continuation byte nor whitespace), so every run of the last piece stops there.
+pub const STOP: u8 = 0;
+
+/// A text followed by [`STOP`]: what the scanner reads. Made only by [`Stopped::stop`], which
+/// appends the stop, so the scanner may read up to it without comparing indices with the end.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped<'a>(&'a [u8]);
+
+impl<'a> Stopped<'a> {
+    /// Appends [`STOP`] to `buf` (text the caller built there, such as a flattened chat
+    /// message) and lends it to the scanner.
+    pub fn stop(buf: &'a mut Vec<u8>) -> Stopped<'a> {
+        buf.push(STOP);
+        Stopped(buf)
+    }
+
+    /// The text's length, the stop not counted.
+    pub fn len(&self) -> usize {
+        self.0.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
-fn scan_with<const SKIP: bool>(bytes: &[u8], mut emit: impl FnMut(std::ops::Range<usize>, u32)) {
+/// The scanner over `bytes`, copied once with [`STOP`] after them (one `memory.copy` in the
+/// plugin). A caller that builds its text in a buffer stops it there instead
+/// ([`for_each_token_stopped`]).
+fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usize>, u32)) {
+    let mut buf = Vec::with_capacity(bytes.len() + 1);
+    buf.extend_from_slice(bytes);
+    scan_stopped(Stopped::stop(&mut buf), non_ascii, emit)
+}
+
+/// The one scanner: calls `emit` with each piece of the text, its byte range and token id, in
+/// order. Each byte is classified once and hashed as it is scanned (no piece slices, no second
+/// pass): this is the plugin's hottest loop, every prompt byte goes through it once per
+/// request. The stop byte is why it is fast: a run reads bytes until one does not continue it,
+/// and the stop is such a byte, so no run compares its index with the text's end (a quarter of
+/// the wasm instructions per token, measured in docs/benchmarks.md).
+#[inline(always)]
+fn scan_stopped(
+    text: Stopped<'_>,
+    non_ascii: NonAscii,
+    emit: impl FnMut(std::ops::Range<usize>, u32),
+) {
+    // One loop per rule, each with its table at a fixed address: choosing the table at run
+    // time cost ~8% more instructions per token on a cold prompt.
+    match non_ascii {
+        NonAscii::Pieces => scan_with::<false>(text, emit),
+        NonAscii::Skip => scan_with::<true>(text, emit),
+    }
+}
+
+// Inlined into its caller, so that an `emit` closure's captures stay in locals (a chain's
+// fill count and last hash; through memory they cost ~20 instructions per token).
+#[inline(always)]
+fn scan_with<const SKIP: bool>(
+    Stopped(buf): Stopped<'_>,
+    mut emit: impl FnMut(std::ops::Range<usize>, u32),
+) {
     let continues = if SKIP {
         &CONTINUES_WORD
     } else {
         &CONTINUES_WORD_OR_LETTER
     };
-    let n = bytes.len();
-    let mut i = 0;
-    while i < n {
+    let base = buf.as_ptr();
+    // SAFETY (every `*p` below): `p` never passes the stop, the buffer's last byte. The outer
+    // loop reads below it, and a run reads the next byte only after the one before continued
+    // it, which the stop does not.
+    let stop = unsafe { base.add(buf.len() - 1) };
+    let offset = |p: *const u8| p as usize - base as usize;
+    // Hashes the bytes from `*p` on that `accepts` takes, leaving `*p` at the first it does
+    // not (written so that a byte costs one load and one test).
+    let run = |p: &mut *const u8, mut hash: u32, accepts: &dyn Fn(u8) -> bool| {
+        let mut c = unsafe { **p };
+        while accepts(c) {
+            hash = fnv_step(hash, c);
+            *p = unsafe { p.add(1) };
+            c = unsafe { **p };
+        }
+        hash
+    };
+    let mut p = base;
+    while p < stop {
         // Skip bytes that start no piece. A piece starts on an ASCII byte or a character's
         // first byte and ends after a whole character, so every range falls on UTF-8
         // character boundaries.
-        let first = class(bytes[i]);
+        let b = unsafe { *p };
+        let start = p;
+        p = unsafe { p.add(1) };
+        let first = class(b);
         if first == OTHER || first == SPACE || (first >= LEAD && SKIP) {
-            i += 1;
             continue;
         }
-        let start = i;
-        let mut hash = fnv_step(FNV_OFFSET, bytes[i]);
-        i += 1;
+        let mut hash = fnv_step(FNV_OFFSET, b);
         // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
         // leftmost-first, so `_` at the start of a piece is a piece of its own (class PUNCT),
         // while `_` inside a run of word characters continues the run.
         if first == WORD || first == LETTER_LEAD {
-            while i < n && continues[bytes[i] as usize] {
-                hash = fnv_step(hash, bytes[i]);
-                i += 1;
-            }
+            hash = run(&mut p, hash, &|c| continues[c as usize]);
         } else if first == LEAD {
             // The rest of the character: its continuation bytes.
-            while i < n && bytes[i] & 0xc0 == 0x80 {
-                hash = fnv_step(hash, bytes[i]);
-                i += 1;
-            }
+            hash = run(&mut p, hash, &|c| c & 0xc0 == 0x80);
         }
-        while i < n && class(bytes[i]) == SPACE {
-            hash = fnv_step(hash, bytes[i]);
-            i += 1;
-        }
-        emit(start..i, hash);
+        hash = run(&mut p, hash, &|c| IS_SPACE[c as usize]);
+        emit(offset(start)..offset(p), hash);
     }
 }
 
@@ -225,10 +293,12 @@ pub fn for_each_token(text: &str, non_ascii: NonAscii, mut emit: impl FnMut(u32)
     scan(text.as_bytes(), non_ascii, |_, id| emit(id));
 }
 
-/// [`for_each_token`] of UTF-8 text given as its bytes (text checked to be UTF-8 elsewhere,
-/// such as a JSON string read in place: the scanner reads bytes, so it needs no second check).
-pub fn for_each_token_in_bytes(text: &[u8], non_ascii: NonAscii, mut emit: impl FnMut(u32)) {
-    scan(text, non_ascii, |_, id| emit(id));
+/// [`for_each_token`] of the UTF-8 text of `text` (the plugin flattens each chat message into
+/// a buffer and stops it there, so the text is not copied again; its bytes were checked to be
+/// UTF-8 as they were read).
+#[inline(always)]
+pub fn for_each_token_stopped(text: Stopped<'_>, non_ascii: NonAscii, mut emit: impl FnMut(u32)) {
+    scan_stopped(text, non_ascii, |_, id| emit(id));
 }
 
 /// [`for_each_token`] with the byte offset where each token's piece starts.
@@ -373,6 +443,54 @@ mod tests {
         assert!("none".parse::<NonAscii>().is_err());
     }
 
+    /// The pieces as the module's doc defines them, read a character at a time: the oracle
+    /// the byte scanner (tables, a stop byte, no bounds checks) is held to.
+    fn pieces_by_chars(text: &str, rule: NonAscii) -> Vec<&str> {
+        let skip = rule == NonAscii::Skip;
+        let letter = |c: char| !skip && ('\u{c0}'..='\u{7ff}').contains(&c);
+        let starts_word = |c: char| c.is_ascii_alphanumeric() || letter(c);
+        let continues_word = |c: char| starts_word(c) || c == '_';
+        let space = |c: char| matches!(c, ' ' | '\t' | '\n' | '\r' | '\x0b' | '\x0c');
+        let starts = |c: char| {
+            starts_word(c)
+                || (c.is_ascii() && PUNCTUATION.contains(&(c as u8)))
+                || !(c.is_ascii() || skip)
+        };
+        let chars: Vec<(usize, char)> = text.char_indices().collect();
+        let (mut out, mut k) = (Vec::new(), 0);
+        while k < chars.len() {
+            let (start, c) = chars[k];
+            k += 1;
+            if !starts(c) {
+                continue;
+            }
+            if starts_word(c) {
+                while k < chars.len() && continues_word(chars[k].1) {
+                    k += 1;
+                }
+            }
+            while k < chars.len() && space(chars[k].1) {
+                k += 1;
+            }
+            out.push(&text[start..chars.get(k).map_or(text.len(), |&(i, _)| i)]);
+        }
+        out
+    }
+
+    #[test]
+    fn a_stopped_text_is_read_up_to_its_stop() {
+        let mut buf = b"ab cd".to_vec();
+        let text = Stopped::stop(&mut buf);
+        assert_eq!(text.len(), 5);
+        let mut ids = Vec::new();
+        for_each_token_stopped(text, NonAscii::Pieces, |id| ids.push(id));
+        assert_eq!(ids, tokenize("ab cd", NonAscii::Pieces));
+        // A stop byte inside a text is an unknown symbol there, as in any text.
+        assert_eq!(pieces_of("a\0b"), vec!["a", "b"]);
+        let mut empty = Vec::new();
+        assert!(Stopped::stop(&mut empty).is_empty());
+    }
+
     proptest::proptest! {
         #[test]
         fn each_token_id_is_the_fnv_of_its_piece(
@@ -383,6 +501,20 @@ mod tests {
             let from_pieces: Vec<u32> =
                 pieces(&text, rule).iter().map(|p| fnv1a32(p.as_bytes())).collect();
             proptest::prop_assert_eq!(tokenize(&text, rule), from_pieces);
+        }
+
+        #[test]
+        fn the_byte_scanner_cuts_the_pieces_the_characters_define(
+            text in "[a-zA-Z0-9_ \t\n\r\x0b\x0c\x00\x01\x7f,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|\u{80}\u{bf}\u{c0}éдߺࠀ«日🦀-]{0,120}",
+            skip in proptest::bool::ANY,
+        ) {
+            let rule = if skip { NonAscii::Skip } else { NonAscii::Pieces };
+            proptest::prop_assert_eq!(pieces(&text, rule), pieces_by_chars(&text, rule));
+            // And the plugin's entry, over a buffer that ends with the stop byte.
+            let mut buf = text.as_bytes().to_vec();
+            let mut ids = Vec::new();
+            for_each_token_stopped(Stopped::stop(&mut buf), rule, |id| ids.push(id));
+            proptest::prop_assert_eq!(ids, tokenize(&text, rule));
         }
 
         #[test]

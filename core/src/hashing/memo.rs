@@ -29,7 +29,7 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::Chainer;
 use crate::request::RawMessage;
-use crate::tokenizer::{for_each_token, for_each_token_in_bytes};
+use crate::tokenizer::Stopped;
 
 /// Mixed into the seed of the keys of messages read in place (see [`ChainMemo::chain_raw`]).
 const RAW_KEYS: u64 = 0x7261_775f_6b65_7973;
@@ -136,12 +136,12 @@ impl ChainMemo {
     /// (and remembering it when it is long enough).
     pub(super) fn chain(&mut self, message: &str, chain: &mut Chainer, out: &mut Vec<u64>) {
         if message.len() < MIN_MESSAGE_BYTES {
-            for_each_token(message, chain.non_ascii, |id| chain.push(id, out));
+            chain.push_text(message, out);
             return;
         }
         let key = xxh64(message.as_bytes(), chain.state_key());
         self.chain_keyed(key, message.len(), chain, out, |chain, out| {
-            for_each_token(message, chain.non_ascii, |id| chain.push(id, out))
+            chain.push_text(message, out)
         });
     }
 
@@ -162,7 +162,7 @@ impl ChainMemo {
         let bytes = open.len() + message.role.len() + close.len() + content.len() + 1;
         let flatten = |scratch: &mut Vec<u8>| {
             scratch.clear();
-            scratch.reserve(bytes);
+            scratch.reserve(bytes + 1);
             scratch.extend_from_slice(open.as_bytes());
             scratch.extend_from_slice(message.role.as_bytes());
             scratch.extend_from_slice(close.as_bytes());
@@ -173,7 +173,7 @@ impl ChainMemo {
         };
         if bytes < MIN_MESSAGE_BYTES {
             flatten(scratch);
-            for_each_token_in_bytes(scratch, chain.non_ascii, |id| chain.push(id, out));
+            chain.push_stopped(Stopped::stop(scratch), out);
             return;
         }
         // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
@@ -182,7 +182,7 @@ impl ChainMemo {
         let key = xxh64(content, role);
         self.chain_keyed(key, bytes, chain, out, |chain, out| {
             flatten(scratch);
-            for_each_token_in_bytes(scratch, chain.non_ascii, |id| chain.push(id, out));
+            chain.push_stopped(Stopped::stop(scratch), out);
         });
     }
 
