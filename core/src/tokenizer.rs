@@ -156,18 +156,30 @@ pub(crate) fn ends_runs(b: u8) -> bool {
 
 const FNV_OFFSET: u32 = 0x811c_9dc5;
 
-fn fnv_step(hash: u32, b: u8) -> u32 {
-    (hash ^ u32::from(b)).wrapping_mul(0x0100_0193)
+/// One byte into the hash. The byte comes widened: the scanner reads each byte once as an
+/// index into its tables, and a `u8` here made LLVM mask it again for every byte.
+fn fnv_step(hash: u32, b: usize) -> u32 {
+    (hash ^ b as u32).wrapping_mul(0x0100_0193)
 }
 
 /// 32-bit FNV-1a, as Go's `hash/fnv.New32a`.
 pub fn fnv1a32(bytes: &[u8]) -> u32 {
-    bytes.iter().fold(FNV_OFFSET, |hash, &b| fnv_step(hash, b))
+    bytes
+        .iter()
+        .fold(FNV_OFFSET, |hash, &b| fnv_step(hash, usize::from(b)))
 }
 
 /// The byte after a text that the scanner reads: it continues no run (it is neither a word
 /// byte, a continuation byte nor whitespace), so every run of the last piece stops there.
 pub const STOP: u8 = 0;
+
+// What the scanner's safety rests on: no run takes the stop.
+const _: () = assert!(
+    !CONTINUES_WORD[STOP as usize]
+        && !CONTINUES_WORD_OR_LETTER[STOP as usize]
+        && !IS_SPACE[STOP as usize]
+        && STOP & 0xc0 != 0x80
+);
 
 /// A text followed by [`STOP`]: what the scanner reads. Made only by [`Stopped::stop`], which
 /// appends the stop, so the scanner may read up to it without comparing indices with the end.
@@ -205,8 +217,8 @@ fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usiz
 /// order. Each byte is classified once and hashed as it is scanned (no piece slices, no second
 /// pass): this is the plugin's hottest loop, every prompt byte goes through it once per
 /// request. The stop byte is why it is fast: a run reads bytes until one does not continue it,
-/// and the stop is such a byte, so no run compares its index with the text's end (a quarter of
-/// the wasm instructions per token, measured in docs/benchmarks.md).
+/// and the stop is such a byte, so no run compares its index with the text's end (what that
+/// saves is in docs/benchmarks.md).
 #[inline(always)]
 fn scan_stopped(
     text: Stopped<'_>,
@@ -233,23 +245,26 @@ fn scan_with<const SKIP: bool>(
     } else {
         &CONTINUES_WORD_OR_LETTER
     };
-    let base = buf.as_ptr();
-    // SAFETY (every `*p` below): `p` never passes the stop, the buffer's last byte. The outer
-    // loop reads below it, and a run reads the next byte only after the one before continued
-    // it, which the stop does not.
-    let stop = unsafe { base.add(buf.len() - 1) };
-    let offset = |p: *const u8| p as usize - base as usize;
-    // Hashes the bytes from `*p` on that `accepts` takes, leaving `*p` at the first it does
-    // not (written so that a byte costs one load and one test).
-    let run = |p: &mut *const u8, mut hash: u32, accepts: &dyn Fn(u8) -> bool| {
-        let mut c = unsafe { **p };
+    /// Hashes the bytes from `*p` on that `accepts` takes, leaving `*p` at the first it does
+    /// not (written so that a byte costs one load and one test).
+    ///
+    /// SAFETY: `*p` points into a stopped buffer and `accepts` takes no [`STOP`], so `*p` never
+    /// passes the stop.
+    #[inline(always)]
+    unsafe fn run(p: &mut *const u8, mut hash: u32, accepts: impl Fn(usize) -> bool) -> u32 {
+        let mut c = usize::from(**p);
         while accepts(c) {
             hash = fnv_step(hash, c);
-            *p = unsafe { p.add(1) };
-            c = unsafe { **p };
+            *p = p.add(1);
+            c = usize::from(**p);
         }
         hash
-    };
+    }
+    let base = buf.as_ptr();
+    // SAFETY (every `*p` below): `p` never passes the stop, the buffer's last byte: the outer
+    // loop reads below it, and a run stops on it at the latest.
+    let stop = unsafe { base.add(buf.len() - 1) };
+    let offset = |p: *const u8| p as usize - base as usize;
     let mut p = base;
     while p < stop {
         // Skip bytes that start no piece. A piece starts on an ASCII byte or a character's
@@ -262,17 +277,17 @@ fn scan_with<const SKIP: bool>(
         if first == OTHER || first == SPACE || (first >= LEAD && SKIP) {
             continue;
         }
-        let mut hash = fnv_step(FNV_OFFSET, b);
+        let mut hash = fnv_step(FNV_OFFSET, usize::from(b));
         // The simulator's pattern lists the punctuation alternatives before `\w+` and RE2 is
         // leftmost-first, so `_` at the start of a piece is a piece of its own (class PUNCT),
         // while `_` inside a run of word characters continues the run.
         if first == WORD || first == LETTER_LEAD {
-            hash = run(&mut p, hash, &|c| continues[c as usize]);
+            hash = unsafe { run(&mut p, hash, |c| continues[c]) };
         } else if first == LEAD {
             // The rest of the character: its continuation bytes.
-            hash = run(&mut p, hash, &|c| c & 0xc0 == 0x80);
+            hash = unsafe { run(&mut p, hash, |c| c & 0xc0 == 0x80) };
         }
-        hash = run(&mut p, hash, &|c| IS_SPACE[c as usize]);
+        hash = unsafe { run(&mut p, hash, |c| IS_SPACE[c]) };
         emit(offset(start)..offset(p), hash);
     }
 }
