@@ -308,9 +308,9 @@ pub fn for_each_token(text: &str, non_ascii: NonAscii, mut emit: impl FnMut(u32)
     scan(text.as_bytes(), non_ascii, |_, id| emit(id));
 }
 
-/// [`for_each_token`] of the UTF-8 text of `text` (the plugin flattens each chat message into
-/// a buffer and stops it there, so the text is not copied again; its bytes were checked to be
-/// UTF-8 as they were read).
+/// [`for_each_token`] of a stopped text (the plugin flattens each chat message into a buffer
+/// and stops it there, so the text is not copied again; its bytes were checked to be UTF-8 as
+/// they were read).
 #[inline(always)]
 pub fn for_each_token_stopped(text: Stopped<'_>, non_ascii: NonAscii, mut emit: impl FnMut(u32)) {
     scan_stopped(text, non_ascii, |_, id| emit(id));

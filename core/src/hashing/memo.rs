@@ -158,7 +158,8 @@ impl ChainMemo {
     ) {
         let content = message.content.map_or(&[][..], |c| c.raw());
         let [open, close] = crate::request::HEADER;
-        // The flattened message is at most this long (escapes only shorten it).
+        // The flattened message is at most this long (escapes only shorten it); the buffer
+        // also takes the tokenizer's stop byte after it.
         let bytes = open.len() + message.role.len() + close.len() + content.len() + 1;
         let flatten = |scratch: &mut Vec<u8>| {
             scratch.clear();
