@@ -8,9 +8,10 @@
 //! default) spreads the prompt over that many messages (`host_tests::bench::conversation`: an
 //! agent's or a long chat's history, one boundary per message). TEXT `ja` (default `ascii`)
 //! puts three Japanese characters before every word after the first: 9 of every ~13 bytes of
-//! the prompt are then non-ASCII (the tokenizer skips them, so the tokens are the same). Cold: each
-//! request a new tenant's system prompt (no block matches); warm: one tenant's, a new question
-//! each. The bodies are the cost table's (`host_tests::bench::body`).
+//! the prompt are then non-ASCII, and each such character is a token of its own (the plugin's
+//! default `non_ascii: pieces`), so there are about four times the tokens. Cold: each request a
+//! new tenant's system prompt (no block matches); warm: one tenant's, a new question each. The
+//! bodies are the cost table's (`host_tests::bench::body`).
 //!
 //! Where the instructions go, by guest function: build the plugin with its names kept, run
 //! this under perf with wasmtime's perf map, and read the `[JIT]` rows:
