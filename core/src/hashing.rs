@@ -220,11 +220,9 @@ impl Chainer {
         }
     }
 
-    /// [`Chainer::push_stopped`] of `text`, copied once into a buffer with the stop after it.
+    /// [`Chainer::push_stopped`] of `text`, copied once with the stop after it.
     fn push_text(&mut self, text: &str, out: &mut Vec<u64>) {
-        let mut buf = Vec::with_capacity(text.len() + 1);
-        buf.extend_from_slice(text.as_bytes());
-        self.push_stopped(Stopped::stop(&mut buf), out);
+        Stopped::copied(text.as_bytes(), |text| self.push_stopped(text, out));
     }
 
     /// [`Chainer::push`] of every token of `text`. The chain's state is kept in locals while

@@ -93,7 +93,7 @@ const CLASS: [u8; 256] = {
     }
     let mut i = 0;
     while i < PUNCTUATION.len() {
-        // `_` is both; as a piece's first byte it is punctuation (see `Pieces::next`).
+        // `_` is both; as a piece's first byte it is punctuation (see `scan_with`).
         table[PUNCTUATION[i] as usize] = PUNCT;
         i += 1;
     }
@@ -194,23 +194,19 @@ impl<'a> Stopped<'a> {
         Stopped(buf)
     }
 
-    /// The text's length, the stop not counted.
-    pub fn len(&self) -> usize {
-        self.0.len() - 1
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Calls `f` with `bytes` copied once with [`STOP`] after them (one `memory.copy` in the
+    /// plugin), for a text not built in a buffer of the caller's.
+    pub fn copied<R>(bytes: &[u8], f: impl FnOnce(Stopped<'_>) -> R) -> R {
+        let mut buf = Vec::with_capacity(bytes.len() + 1);
+        buf.extend_from_slice(bytes);
+        f(Stopped::stop(&mut buf))
     }
 }
 
-/// The scanner over `bytes`, copied once with [`STOP`] after them (one `memory.copy` in the
-/// plugin). A caller that builds its text in a buffer stops it there instead
-/// ([`for_each_token_stopped`]).
+/// The scanner over `bytes`, copied with the stop after them. A caller that builds its text in
+/// a buffer stops it there instead ([`for_each_token_stopped`]).
 fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usize>, u32)) {
-    let mut buf = Vec::with_capacity(bytes.len() + 1);
-    buf.extend_from_slice(bytes);
-    scan_stopped(Stopped::stop(&mut buf), non_ascii, emit)
+    Stopped::copied(bytes, |text| scan_stopped(text, non_ascii, emit))
 }
 
 /// The one scanner: calls `emit` with each piece of the text, its byte range and token id, in
@@ -495,15 +491,18 @@ mod tests {
     #[test]
     fn a_stopped_text_is_read_up_to_its_stop() {
         let mut buf = b"ab cd".to_vec();
-        let text = Stopped::stop(&mut buf);
-        assert_eq!(text.len(), 5);
         let mut ids = Vec::new();
-        for_each_token_stopped(text, NonAscii::Pieces, |id| ids.push(id));
+        for_each_token_stopped(Stopped::stop(&mut buf), NonAscii::Pieces, |id| ids.push(id));
         assert_eq!(ids, tokenize("ab cd", NonAscii::Pieces));
+        assert_eq!(buf, b"ab cd\0", "the stop is appended, after the text");
         // A stop byte inside a text is an unknown symbol there, as in any text.
         assert_eq!(pieces_of("a\0b"), vec!["a", "b"]);
         let mut empty = Vec::new();
-        assert!(Stopped::stop(&mut empty).is_empty());
+        ids.clear();
+        for_each_token_stopped(Stopped::stop(&mut empty), NonAscii::Pieces, |id| {
+            ids.push(id)
+        });
+        assert!(ids.is_empty(), "an empty text has no tokens");
     }
 
     proptest::proptest! {
