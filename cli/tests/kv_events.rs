@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use prefixroute_core::feed::FeedPage;
-use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::hashing::{hash_request, BlockIdentity, HashConfig};
 use prefixroute_core::request::parse_request;
 use support::{free_port, http, FakeServer, Killed, Served, BIN};
 
@@ -55,6 +55,7 @@ fn router_blocks(body: &str, block_size: usize) -> Vec<u64> {
         HashConfig {
             block_size,
             include_partial: false,
+            identity: BlockIdentity::TokenIds,
             ..HashConfig::default()
         },
     )

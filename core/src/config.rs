@@ -8,6 +8,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::hashing::BlockIdentity;
 use crate::hashing::HashConfig;
 use crate::index::DEFAULT_CAPACITY_BLOCKS;
 use crate::latency::LatencyConfig;
@@ -506,6 +507,15 @@ impl IndexMode {
 
     pub fn name(self) -> &'static str {
         Self::NAMES[self as usize]
+    }
+
+    /// What a router with this index hashes its blocks from: their text, or their token ids
+    /// as the servers hash them when its belief is built from their KV events.
+    pub fn block_identity(self) -> BlockIdentity {
+        match self {
+            IndexMode::Approximate => BlockIdentity::Text,
+            IndexMode::Precise => BlockIdentity::TokenIds,
+        }
     }
 }
 
@@ -1034,6 +1044,7 @@ impl PluginConfig {
                 block_size: self.block_size,
                 include_partial: true,
                 non_ascii: self.non_ascii,
+                identity: self.index.block_identity(),
             },
             index_capacity_blocks: self.index_capacity_blocks,
             latency: self.latency,

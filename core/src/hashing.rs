@@ -3,11 +3,37 @@
 //! As in vLLM and llm-d, a block's hash covers its own tokens *and* the hash of the block
 //! before it, so one hash names the whole prefix up to the end of its block. "The longest run
 //! of leading hashes an endpoint knows" is then exactly "the longest shared prefix".
+//!
+//! What a block's own part is made of is [`BlockIdentity`]'s choice: its token ids, as the
+//! servers hash them, or its text.
 
-use xxhash_rust::xxh64::Xxh64;
+use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 use crate::request::{ParsedRequest, Prompt, RawChat};
-use crate::tokenizer::{for_each_token_at, for_each_token_stopped, NonAscii, Stopped};
+use crate::tokenizer::{cut_blocks, for_each_token_at, for_each_token_stopped, NonAscii, Stopped};
+
+/// What a block's hash is made of, besides the block before it. The blocks are cut alike either
+/// way, every `block_size` tokens (so token counts, blocks and marks are the same); only the
+/// numbers differ.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockIdentity {
+    /// The block's bytes, from its first token's piece to the next block's (xxh64): the router's
+    /// own identity, compared with nothing but its own (`index: approximate`). No token is
+    /// numbered or visited: the pieces are counted 64 bytes at a time from bit masks, and only
+    /// the piece that ends a block is looked for (`tokenizer::cut_blocks`). On a prompt the
+    /// router has never seen this is most of what routing costs (docs/benchmarks.md). A chat's
+    /// blocks are hashed message by message: a block that spans messages hashes each one's
+    /// part in turn.
+    #[default]
+    Text,
+    /// The block's token ids, FNV-1a of each piece as llm-d-inference-sim and
+    /// `prefixroute serve` number them, then xxh64 as vLLM's chained hash: what
+    /// `index: precise` needs, since the servers' KV events carry hashes of their ids.
+    TokenIds,
+}
 
 /// How prompts are cut into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -20,6 +46,10 @@ pub struct HashConfig {
     /// What the tokenizer does with a character outside ASCII.
     #[serde(default)]
     pub non_ascii: NonAscii,
+    /// What a block's hash is made of: its text (the router's own), or its token ids as the
+    /// servers hash them (`index: precise`).
+    #[serde(default)]
+    pub identity: BlockIdentity,
 }
 
 impl Default for HashConfig {
@@ -28,6 +58,7 @@ impl Default for HashConfig {
             block_size: 16,
             include_partial: true,
             non_ascii: NonAscii::default(),
+            identity: BlockIdentity::default(),
         }
     }
 }
@@ -154,6 +185,21 @@ pub fn chain_text_marked(
     out: &mut Vec<u64>,
     marks: &mut Vec<usize>,
 ) -> usize {
+    match config.identity {
+        BlockIdentity::TokenIds => chain_tokens_marked(text, seed, config, boundaries, out, marks),
+        BlockIdentity::Text => chain_messages(text, seed, config, boundaries, None, out, marks),
+    }
+}
+
+/// [`chain_text_marked`] token by token, the whole text in one scan.
+fn chain_tokens_marked(
+    text: &str,
+    seed: u64,
+    config: HashConfig,
+    boundaries: &[usize],
+    out: &mut Vec<u64>,
+    marks: &mut Vec<usize>,
+) -> usize {
     let mut chain = Chainer::new(seed, config);
     // One comparison per token: the next boundary, `usize::MAX` once none is left.
     let mut boundaries = boundaries.iter().copied();
@@ -174,8 +220,57 @@ pub fn chain_text_marked(
     chain.finish(out)
 }
 
-/// A chain being built token by token: the hash of its last full block (or the seed) and the
-/// tokens of the block not yet full.
+/// [`chain_text_marked`] message by message: `text` cut at each of `boundaries` (those that
+/// increase and fall between characters), each part pushed on its own, through `memo` if
+/// given, with a mark between parts.
+fn chain_messages(
+    text: &str,
+    seed: u64,
+    config: HashConfig,
+    boundaries: &[usize],
+    mut memo: Option<&mut ChainMemo>,
+    out: &mut Vec<u64>,
+    marks: &mut Vec<usize>,
+) -> usize {
+    let mut chain = Chainer::new(seed, config);
+    let mut start = 0;
+    let usable = boundaries
+        .iter()
+        .copied()
+        .filter(|&b| b <= text.len() && text.is_char_boundary(b));
+    for end in usable.chain([text.len()]) {
+        if end < start {
+            continue;
+        }
+        if start > 0 {
+            chain.mark(marks);
+        }
+        let part = &text[start..end];
+        match memo.as_deref_mut() {
+            Some(memo) => memo.chain(part, &mut chain, out),
+            None => chain.push_text(part, out),
+        }
+        start = end;
+    }
+    chain.finish(out)
+}
+
+/// Where a [`BlockIdentity::Text`] block's bytes are hashed from (the seed of its first part).
+const TEXT_SEED: u64 = 0;
+
+/// A chain's open block between texts: what [`Chainer::resume`] needs to go on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Partial {
+    /// Its token ids ([`BlockIdentity::TokenIds`]; empty otherwise).
+    ids: Vec<u32>,
+    /// The hash of its bytes so far ([`BlockIdentity::Text`]; [`TEXT_SEED`] otherwise).
+    span: u64,
+    /// Its tokens.
+    filled: usize,
+}
+
+/// A chain being built: the hash of its last full block (or the seed) and the block not yet
+/// full (its token ids, or the hash of its bytes so far).
 #[derive(Debug, Clone)]
 struct Chainer {
     parent: u64,
@@ -184,12 +279,17 @@ struct Chainer {
     /// path after the tokenizer's byte loop).
     pending: Vec<u32>,
     filled: usize,
+    /// [`BlockIdentity::Text`]: the open block's bytes hashed so far, part by part (a block
+    /// that spans texts, such as chat messages).
+    span: u64,
     /// Tokens in the full blocks so far.
     full_tokens: usize,
     block_size: usize,
     include_partial: bool,
     /// The tokenizer's rule for the text this chain hashes (the memo tokenizes with it).
     non_ascii: NonAscii,
+    /// What its blocks' hashes are made of.
+    identity: BlockIdentity,
 }
 
 impl Chainer {
@@ -199,10 +299,12 @@ impl Chainer {
             parent: seed,
             pending: vec![0; block_size],
             filled: 0,
+            span: TEXT_SEED,
             full_tokens: 0,
             block_size,
             include_partial: config.include_partial,
             non_ascii: config.non_ascii,
+            identity: config.identity,
         }
     }
 
@@ -225,10 +327,18 @@ impl Chainer {
         Stopped::copied(text.as_bytes(), |text| self.push_stopped(text, out));
     }
 
+    /// Continues the chain with `text`, appending the blocks it completes to `out`.
+    fn push_stopped(&mut self, text: Stopped<'_>, out: &mut Vec<u64>) {
+        match self.identity {
+            BlockIdentity::TokenIds => self.push_tokens(text, out),
+            BlockIdentity::Text => self.push_bytes(text, out),
+        }
+    }
+
     /// [`Chainer::push`] of every token of `text`. The chain's state is kept in locals while
     /// the text is scanned and written back once (pushed token by token through `&mut self`,
     /// each token loads and stores the fill count through memory).
-    fn push_stopped(&mut self, text: Stopped<'_>, out: &mut Vec<u64>) {
+    fn push_tokens(&mut self, text: Stopped<'_>, out: &mut Vec<u64>) {
         let block_size = self.block_size;
         let (mut parent, mut filled, mut full) = (self.parent, self.filled, 0);
         let pending = &mut self.pending[..];
@@ -245,6 +355,35 @@ impl Chainer {
             }
         });
         self.parent = parent;
+        self.filled = filled;
+        self.full_tokens += full;
+    }
+
+    /// The blocks of `text` by their bytes ([`BlockIdentity::Text`]): the pieces are counted,
+    /// not visited, and a block's bytes run from where the block before it ended (or the
+    /// text's start) to where the piece after its last starts (or the text's end).
+    fn push_bytes(&mut self, text: Stopped<'_>, out: &mut Vec<u64>) {
+        let (bytes, block_size) = (text.text(), self.block_size);
+        let (mut parent, mut span, mut filled, mut full, mut from) =
+            (self.parent, self.span, self.filled, 0, 0);
+        cut_blocks(text, self.non_ascii, block_size, &mut filled, |at| {
+            let own = xxh64(bytes.get(from..at).unwrap_or_default(), span);
+            parent = fixed::xxh64_pair(own, parent);
+            out.push(parent);
+            (span, from) = (TEXT_SEED, at);
+            full += block_size;
+        });
+        // The text's end ends its last piece: the open block takes the rest of the bytes, and
+        // is complete if it holds a block's tokens.
+        span = xxh64(bytes.get(from..).unwrap_or_default(), span);
+        if filled == block_size {
+            parent = fixed::xxh64_pair(span, parent);
+            out.push(parent);
+            (span, filled) = (TEXT_SEED, 0);
+            full += block_size;
+        }
+        self.parent = parent;
+        self.span = span;
         self.filled = filled;
         self.full_tokens += full;
     }
@@ -269,27 +408,44 @@ impl Chainer {
     /// Hashes the partial block (if configured) and returns the token count.
     fn finish(self, out: &mut Vec<u64>) -> usize {
         if self.filled > 0 && self.include_partial {
-            out.push(block_hash(&self.pending[..self.filled], self.parent));
+            out.push(match self.identity {
+                BlockIdentity::TokenIds => block_hash(&self.pending[..self.filled], self.parent),
+                BlockIdentity::Text => fixed::xxh64_pair(self.span, self.parent),
+            });
         }
         self.count()
     }
 
-    /// The state a text leaves the chain in (see [`Chainer::resume`]): its last hash and the
-    /// tokens of its partial block.
-    fn state(&self) -> (u64, Vec<u32>) {
-        (self.parent, self.pending[..self.filled].to_vec())
+    /// The state a text leaves the chain in (see [`Chainer::resume`]): its last hash and its
+    /// open block.
+    fn state(&self) -> (u64, Partial) {
+        let ids = match self.identity {
+            BlockIdentity::TokenIds => self.pending[..self.filled].to_vec(),
+            BlockIdentity::Text => Vec::new(),
+        };
+        let partial = Partial {
+            ids,
+            span: self.span,
+            filled: self.filled,
+        };
+        (self.parent, partial)
     }
 
     /// Continues as if `tokens` more tokens had left the chain in `state`. False (and the
-    /// chain unchanged) if the partial block does not fit this chain's block size.
-    fn resume(&mut self, (parent, pending): (u64, &[u32]), tokens: usize) -> bool {
+    /// chain unchanged) if the open block does not fit this chain's block size or identity.
+    fn resume(&mut self, (parent, partial): (u64, &Partial), tokens: usize) -> bool {
         let total = self.count() + tokens;
-        if pending.len() >= self.block_size || total < pending.len() {
+        let ids_fit = match self.identity {
+            BlockIdentity::TokenIds => partial.ids.len() == partial.filled,
+            BlockIdentity::Text => partial.ids.is_empty(),
+        };
+        if !ids_fit || partial.filled >= self.block_size || total < partial.filled {
             return false;
         }
-        self.pending[..pending.len()].copy_from_slice(pending);
-        self.filled = pending.len();
-        self.full_tokens = total - pending.len();
+        self.pending[..partial.ids.len()].copy_from_slice(&partial.ids);
+        self.filled = partial.filled;
+        self.span = partial.span;
+        self.full_tokens = total - partial.filled;
         self.parent = parent;
         true
     }
@@ -300,9 +456,15 @@ impl Chainer {
     fn state_key(&self) -> u64 {
         let mut h = Xxh64::new(self.parent);
         h.update(&(self.block_size as u64).to_le_bytes());
-        h.update(&[self.non_ascii as u8]);
-        for t in &self.pending[..self.filled] {
-            h.update(&t.to_le_bytes());
+        h.update(&[self.non_ascii as u8, self.identity as u8]);
+        h.update(&(self.filled as u64).to_le_bytes());
+        match self.identity {
+            BlockIdentity::TokenIds => {
+                for t in &self.pending[..self.filled] {
+                    h.update(&t.to_le_bytes());
+                }
+            }
+            BlockIdentity::Text => h.update(&self.span.to_le_bytes()),
         }
         h.digest()
     }
@@ -323,30 +485,23 @@ fn chain_text_memo(
     out: &mut Vec<u64>,
     marks: &mut Vec<usize>,
 ) -> usize {
-    // A message is tokenized on its own only if no piece crosses into it: its first byte must
-    // end every run before it (the chat header's `<` does). Otherwise hash the text whole.
-    let bytes = text.as_bytes();
-    let apart = |b: usize| {
-        b == bytes.len()
-            || bytes
-                .get(b)
-                .is_some_and(|&c| crate::tokenizer::ends_runs(c))
-    };
-    let ordered = boundaries.windows(2).all(|w| w[0] <= w[1]);
-    if !ordered || !boundaries.iter().all(|&b| apart(b)) {
-        return chain_text_marked(text, seed, config, boundaries, out, marks);
-    }
-    let mut chain = Chainer::new(seed, config);
-    let mut start = 0;
-    for end in boundaries.iter().copied().chain([text.len()]) {
-        if start > 0 {
-            chain.mark(marks);
+    // Blocks of token ids: a message is tokenized on its own only if no piece crosses into
+    // it: its first byte must end every run before it (the chat header's `<` does). Otherwise
+    // hash the text whole. (Blocks of bytes are hashed message by message either way.)
+    if config.identity == BlockIdentity::TokenIds {
+        let bytes = text.as_bytes();
+        let apart = |b: usize| {
+            b == bytes.len()
+                || bytes
+                    .get(b)
+                    .is_some_and(|&c| crate::tokenizer::ends_runs(c))
+        };
+        let ordered = boundaries.windows(2).all(|w| w[0] <= w[1]);
+        if !ordered || !boundaries.iter().all(|&b| apart(b)) {
+            return chain_text_marked(text, seed, config, boundaries, out, marks);
         }
-        // Boundaries fall on ASCII bytes (checked above), so these are character boundaries.
-        memo.chain(&text[start..end], &mut chain, out);
-        start = end;
     }
-    chain.finish(out)
+    chain_messages(text, seed, config, boundaries, Some(memo), out, marks)
 }
 
 /// The whole front half of the pipeline: parsed request → tokens → block hashes.
@@ -455,6 +610,7 @@ mod tests {
         block_size: 4,
         include_partial: false,
         non_ascii: NonAscii::Pieces,
+        identity: BlockIdentity::TokenIds,
     };
 
     #[test]
@@ -509,6 +665,7 @@ mod tests {
                 block_size,
                 include_partial: true,
                 non_ascii: NonAscii::Pieces,
+                identity: BlockIdentity::TokenIds,
             };
             let h = hash_request(&req, config);
             let expected: Vec<usize> = req
@@ -543,6 +700,7 @@ mod tests {
             block_size: 2,
             include_partial: true,
             non_ascii: NonAscii::Pieces,
+            identity: BlockIdentity::TokenIds,
         };
         let every: Vec<usize> = req
             .boundaries
@@ -574,6 +732,7 @@ mod tests {
                 block_size: 2,
                 include_partial: true,
                 non_ascii: NonAscii::Pieces,
+                identity: BlockIdentity::TokenIds,
             },
         );
         assert_eq!(h.tokens, vec![5, 1]);
@@ -613,7 +772,7 @@ mod tests {
             block_size in 1usize..20,
             include_partial in any::<bool>(),
         ) {
-            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces };
+            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces, identity: BlockIdentity::TokenIds };
             let seed = chain_seed("m", "s");
             let tokens = crate::tokenizer::tokenize(&text, NonAscii::default());
             let mut streamed = Vec::new();
@@ -625,12 +784,52 @@ mod tests {
 
     proptest! {
         #[test]
+        fn blocks_of_text_are_cut_where_blocks_of_token_ids_are(
+            text in "[a-z_ ,.!é日\n`]{0,300}",
+            block_size in 1usize..20,
+            include_partial in any::<bool>(),
+            skip in any::<bool>(),
+        ) {
+            let non_ascii = if skip { NonAscii::Skip } else { NonAscii::Pieces };
+            let config = |identity| HashConfig { block_size, include_partial, non_ascii, identity };
+            let (mut by_text, mut by_ids) = (Vec::new(), Vec::new());
+            let seed = chain_seed("m", "");
+            let tokens = chain_text_into(&text, seed, config(BlockIdentity::Text), &mut by_text);
+            prop_assert_eq!(tokens, crate::tokenizer::tokenize(&text, non_ascii).len());
+            prop_assert_eq!(tokens, chain_text_into(&text, seed, config(BlockIdentity::TokenIds), &mut by_ids));
+            prop_assert_eq!(by_text.len(), by_ids.len());
+        }
+
+        #[test]
+        fn texts_share_the_blocks_their_common_pieces_fill(
+            prefix in "[a-z ,.é日\n]{0,200}",
+            tail in "[a-z ,.]{0,40}",
+            block_size in 1usize..9,
+        ) {
+            // The texts part where a piece starts in both, "x" against "y".
+            let prefix = format!("{prefix} ");
+            let (a, b) = (format!("{prefix}x{tail}"), format!("{prefix}y{tail}"));
+            let config = HashConfig { block_size, include_partial: true, non_ascii: NonAscii::Pieces, identity: BlockIdentity::Text };
+            let (mut ha, mut hb) = (Vec::new(), Vec::new());
+            chain_text_into(&a, 1, config, &mut ha);
+            chain_text_into(&b, 1, config, &mut hb);
+            let shared = ha.iter().zip(&hb).take_while(|(x, y)| x == y).count();
+            // Every block whose pieces all lie in the common part, and none after.
+            prop_assert_eq!(shared, crate::tokenizer::tokenize(&prefix, NonAscii::Pieces).len() / block_size);
+            for (x, y) in ha.iter().zip(&hb).skip(shared) {
+                prop_assert_ne!(x, y);
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
         fn sharing_k_tokens_shares_exactly_floor_k_over_bs_hashes(
             (left, right, k) in shared_prefix_pair(),
             block_size in 1usize..9,
             include_partial in any::<bool>(),
         ) {
-            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces };
+            let config = HashConfig { block_size, include_partial, non_ascii: NonAscii::Pieces, identity: BlockIdentity::TokenIds };
             let seed = chain_seed("model", "");
             let a = chain_hashes(&left, seed, config);
             let b = chain_hashes(&right, seed, config);
@@ -648,7 +847,7 @@ mod tests {
             block_size in 1usize..9,
             salt in "[a-z]{0,6}",
         ) {
-            let config = HashConfig { block_size, include_partial: true, non_ascii: NonAscii::Pieces };
+            let config = HashConfig { block_size, include_partial: true, non_ascii: NonAscii::Pieces, identity: BlockIdentity::TokenIds };
             let base = chain_hashes(&tokens, chain_seed("m", &salt), config);
             let salted = chain_hashes(&tokens, chain_seed("m", &format!("{salt}x")), config);
             let other_model = chain_hashes(&tokens, chain_seed("m2", &salt), config);

@@ -1353,6 +1353,7 @@ fn credit_copies(scores: &mut [EndpointScores], held: usize, rate: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hashing::BlockIdentity;
     use crate::hashing::{hash_request, HashConfig};
     use crate::request::parse_request;
     use crate::tokenizer::NonAscii;
@@ -1706,7 +1707,7 @@ mod tests {
 
     #[test]
     fn a_prompt_in_chinese_is_not_believed_cached_where_another_one_went() {
-        let chat = |system: &str, question: &str, non_ascii| {
+        let chat = |system: &str, question: &str, non_ascii, identity| {
             let body = serde_json::json!({"model": "m", "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": question},
@@ -1715,22 +1716,38 @@ mod tests {
             let config = HashConfig {
                 block_size: 4,
                 non_ascii,
+                identity,
                 ..HashConfig::default()
             };
             hash_request(&parse_request(body.as_bytes()).unwrap(), config)
         };
         let support = "你是一个乐于助人的客服助手，专门回答关于订单、退货和物流的问题。";
         let lawyer = "作为一名专业的法律顾问，请根据中国法律谨慎地回答合同纠纷的问题。";
-        for (non_ascii, believed) in [(NonAscii::Pieces, false), (NonAscii::Skip, true)] {
+        for (non_ascii, identity, believed) in [
+            (NonAscii::Pieces, BlockIdentity::Text, false),
+            (NonAscii::Pieces, BlockIdentity::TokenIds, false),
+            // Skipped by the tokenizer, the characters are still the blocks' bytes.
+            (NonAscii::Skip, BlockIdentity::Text, false),
+            // Skipped, with blocks of the servers' token ids, the characters leave two chat
+            // headers: the same full block in both.
+            (NonAscii::Skip, BlockIdentity::TokenIds, true),
+        ] {
             let mut r = router(Policy::Latency, 2);
-            let a = chat(support, "我的订单什么时候到？", non_ascii);
+            let a = chat(support, "我的订单什么时候到？", non_ascii, identity);
             let d = r.pick(&a, &idle(2)).unwrap();
             r.commit(&d, &a);
-            let b = chat(lawyer, "合同可以提前解除吗？", non_ascii);
+            let b = chat(lawyer, "合同可以提前解除吗？", non_ascii, identity);
             let matched = r.matched_blocks(&b)[d.endpoint];
-            // Skipped, the characters leave two chat headers: the same full block in both.
-            assert_eq!(matched > 0, believed, "{non_ascii:?}: {matched} blocks");
-            assert_eq!(matched == b.chains[0].len() - 1, believed, "{non_ascii:?}");
+            assert_eq!(
+                matched > 0,
+                believed,
+                "{non_ascii:?} {identity:?}: {matched} blocks"
+            );
+            assert_eq!(
+                matched == b.chains[0].len() - 1,
+                believed,
+                "{non_ascii:?} {identity:?}"
+            );
         }
     }
 

@@ -14,7 +14,9 @@
 //! by default here it is a piece of its own, about one token per character as a model's
 //! tokenizer gives such text, so prompts in any script are told apart and priced.
 //!
-//! The scanner is written by hand so the wasm plugin carries no regex engine.
+//! The scanner is written by hand so the wasm plugin carries no regex engine. A router whose
+//! blocks are known by their text needs no ids, only where every 16th piece starts: `spans`
+//! counts the same pieces 64 bytes at a time from bit masks ([`cut_blocks`]).
 
 /// The single-character pieces.
 const PUNCTUATION: &[u8] = b"{}:,-.?!;@#$%^&*()+_~/\\><[]=\"'";
@@ -181,17 +183,23 @@ const _: () = assert!(
         && STOP & 0xc0 != 0x80
 );
 
-/// A text followed by [`STOP`]: what the scanner reads. Made only by [`Stopped::stop`], which
-/// appends the stop, so the scanner may read up to it without comparing indices with the end.
+/// A text followed by [`STOP`]: what the byte scanner reads. Made only by [`Stopped::stop`],
+/// which appends the stop, so the scanner may read up to it without comparing indices with the
+/// end.
 #[derive(Debug, Clone, Copy)]
 pub struct Stopped<'a>(&'a [u8]);
 
 impl<'a> Stopped<'a> {
     /// Appends [`STOP`] to `buf` (text the caller built there, such as a flattened chat
-    /// message) and lends it to the scanner.
+    /// message) and lends it to the scanners.
     pub fn stop(buf: &'a mut Vec<u8>) -> Stopped<'a> {
         buf.push(STOP);
         Stopped(buf)
+    }
+
+    /// The text, without the stop after it.
+    pub fn text(&self) -> &'a [u8] {
+        &self.0[..self.0.len() - 1]
     }
 
     /// Calls `f` with `bytes` copied once with [`STOP`] after them (one `memory.copy` in the
@@ -209,9 +217,9 @@ fn scan(bytes: &[u8], non_ascii: NonAscii, emit: impl FnMut(std::ops::Range<usiz
     Stopped::copied(bytes, |text| scan_stopped(text, non_ascii, emit))
 }
 
-/// The one scanner: calls `emit` with each piece of the text, its byte range and token id, in
+/// The byte scanner: calls `emit` with each piece of the text, its byte range and token id, in
 /// order. Each byte is classified once and hashed as it is scanned (no piece slices, no second
-/// pass): this is the plugin's hottest loop, every prompt byte goes through it once per
+/// pass): with token ids (`index: precise`) this is the plugin's hottest loop, every prompt byte goes through it once per
 /// request. The stop byte is why it is fast: a run reads bytes until one does not continue it,
 /// and the stop is such a byte, so no run compares its index with the text's end (what that
 /// saves is in docs/benchmarks.md).
@@ -287,6 +295,9 @@ fn scan_with<const SKIP: bool>(
         emit(offset(start)..offset(p), hash);
     }
 }
+
+mod spans;
+pub(crate) use spans::cut_blocks;
 
 /// The pieces of `text`, in order, each with its trailing whitespace (for explanations and
 /// tests; routing only needs their ids, see [`for_each_token`]).

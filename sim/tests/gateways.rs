@@ -212,32 +212,46 @@ fn approximate_gateways_with_consistent_placement_agree_where_each_tenant_lives(
 /// a gateway that routed at most every third turn of it. With `placement: consistent` every
 /// gateway sends a conversation to the home keyed by its first exchange and believes the home
 /// holds the conversation up to the turn before, which the other gateways sent there.
+///
+/// Over twelve seeds of the sweep's conversations, since where each conversation's home falls
+/// is drawn from its hashes: the p95 is bimodal (~1.05x one gateway's, or ~1.5x where two busy
+/// conversations share a home), and which seeds land where changed when the blocks were
+/// hashed by their text (docs/benchmarks.md).
 #[test]
 fn approximate_gateways_with_consistent_placement_keep_conversations_at_their_home() {
-    let (one, local, consistent) = one_and_three_gateways(&sweep_conversations(), sweep_fleet(0.5));
-    // Measured: one gateway 89.9% and 73.5 ms; three local 76.7% and 359 ms; three
-    // consistent 89.3% and 87.0 ms (87.2% and 180.5 ms while a home that had not seen a
-    // conversation's last turns was priced for room like any replica, see
-    // `a_gateway_sends_a_group_it_has_not_seen_to_its_home_however_full_it_believes_it`).
+    let mut ratios = Vec::new();
+    for seed in 10..=21 {
+        let trace = spec(TraceShape::Conversations, 24, 150, 30, 400, seed)
+            .generate()
+            .unwrap();
+        let (one, local, consistent) = one_and_three_gateways(&trace, sweep_fleet(0.5));
+        // Measured at seed 13: one gateway 89.9% and 73.5 ms; three local 77.0% and 359 ms;
+        // three consistent 89.0% and 120 ms (89.3% and 87.0 ms with blocks of token ids).
+        assert!(
+            consistent.hit_rate >= local.hit_rate + 0.08,
+            "seed {seed}: three consistent gateways {:.3}, three local {:.3}",
+            consistent.hit_rate,
+            local.hit_rate
+        );
+        assert!(
+            consistent.ttft_p95_ms <= 0.6 * local.ttft_p95_ms,
+            "seed {seed}: p95 consistent {:.1} ms, local {:.1} ms",
+            consistent.ttft_p95_ms,
+            local.ttft_p95_ms
+        );
+        assert!(consistent.hit_rate <= one.hit_rate + 0.005, "seed {seed}");
+        ratios.push(consistent.ttft_p95_ms / one.ttft_p95_ms);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = (ratios[5] + ratios[6]) / 2.0;
     assert!(
-        consistent.ttft_p95_ms <= 1.25 * one.ttft_p95_ms,
-        "p95: three consistent gateways {:.1} ms, one gateway {:.1} ms",
-        consistent.ttft_p95_ms,
-        one.ttft_p95_ms
+        median <= 1.4,
+        "median p95 {median:.2}x one gateway's: {ratios:.2?}"
     );
     assert!(
-        consistent.hit_rate >= local.hit_rate + 0.08,
-        "three consistent gateways {:.3}, three local {:.3}",
-        consistent.hit_rate,
-        local.hit_rate
+        ratios.iter().filter(|&&r| r <= 1.25).count() >= 5,
+        "p95 within 1.25x one gateway's on fewer than 5 of 12 seeds: {ratios:.2?}"
     );
-    assert!(
-        consistent.ttft_p95_ms <= 0.6 * local.ttft_p95_ms,
-        "p95: consistent {:.1} ms, local {:.1} ms",
-        consistent.ttft_p95_ms,
-        local.ttft_p95_ms
-    );
-    assert!(consistent.hit_rate <= one.hit_rate + 0.005);
 }
 
 /// The sweep's RAG with `seed`: 8 documents of ~1,900 tokens, each in the user message after
@@ -257,29 +271,35 @@ fn rag(seed: u64) -> Vec<TraceRecord> {
 /// gateway sends each document's questions to the same replica. Keyed by the shared instruction
 /// (before `router::HEAD_PROBE_TOKENS`), every document had one home and the gateways placed
 /// each apart: a TTFT p95 of 900 ms, a cold document, against one gateway's 25 ms.
+///
+/// Over twelve seeds, since where each document's home falls is drawn from its hashes: on a few
+/// seeds two documents' homes coincide and their questions queue (three of twelve with blocks
+/// hashed by their text, one with blocks of token ids; docs/benchmarks.md).
 #[test]
 fn approximate_gateways_with_consistent_placement_agree_where_each_document_lives() {
-    let (one, local, consistent) = one_and_three_gateways(&rag(14), six_replicas(380, 0.5));
-    // Measured: one gateway 95.6% and 25.0 ms; three local 92.3% and 899.5 ms; three
-    // consistent 95.0% and 25.5 ms (93.7% and 25.5 ms keyed by the document's first block,
-    // before a new group's home took it without a room price).
+    let (mut agreed, mut apart, mut hits) = (0, 0, [0.0, 0.0]);
+    for seed in 10..=21 {
+        let (one, local, consistent) = one_and_three_gateways(&rag(seed), six_replicas(380, 0.5));
+        // Measured at seed 14: one gateway 95.6% and 25.0 ms; three local 93.3% and 32.9 ms
+        // (92.3% and 899.5 ms with blocks of token ids); three consistent 95.6% and 25.0 ms.
+        agreed += usize::from(consistent.ttft_p95_ms <= 1.1 * one.ttft_p95_ms);
+        apart += usize::from(local.ttft_p95_ms > 10.0 * one.ttft_p95_ms);
+        hits[0] += consistent.hit_rate / 12.0;
+        hits[1] += local.hit_rate / 12.0;
+    }
     assert!(
-        consistent.ttft_p95_ms <= 1.1 * one.ttft_p95_ms,
-        "p95: three consistent gateways {:.1} ms, one gateway {:.1} ms",
-        consistent.ttft_p95_ms,
-        one.ttft_p95_ms
+        agreed >= 9,
+        "three consistent gateways within 1.1x one's p95 on {agreed} of 12 seeds"
     );
     assert!(
-        local.ttft_p95_ms > 10.0 * one.ttft_p95_ms,
-        "p95: three local gateways {:.1} ms, one gateway {:.1} ms",
-        local.ttft_p95_ms,
-        one.ttft_p95_ms
+        apart >= 9,
+        "three local gateways over 10x one's p95 on {apart} of 12 seeds"
     );
     assert!(
-        consistent.hit_rate >= local.hit_rate + 0.01,
-        "three consistent gateways {:.3}, three local {:.3}",
-        consistent.hit_rate,
-        local.hit_rate
+        hits[0] >= hits[1] + 0.01,
+        "mean hit rate: three consistent gateways {:.3}, three local {:.3}",
+        hits[0],
+        hits[1]
     );
 }
 

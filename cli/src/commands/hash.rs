@@ -1,6 +1,7 @@
 use std::io::Read;
 
 use anyhow::{Context, Result};
+use prefixroute_core::config::IndexMode;
 use prefixroute_core::hashing::{hash_request, HashConfig};
 use prefixroute_core::request::{parse_request, ParsedRequest, Prompt};
 use prefixroute_core::tokenizer::NonAscii;
@@ -22,6 +23,10 @@ pub struct Args {
     /// llm-d-inference-sim does); the plugin's `non_ascii`.
     #[arg(long, default_value = "pieces")]
     non_ascii: NonAscii,
+    /// The plugin's `index`: `approximate` hashes each block's text (the router's own
+    /// identity), `precise` its token ids as the servers do (what their KV events carry).
+    #[arg(long, default_value = "approximate", value_parser = str::parse::<IndexMode>)]
+    index: IndexMode,
     #[arg(long)]
     json: bool,
 }
@@ -58,6 +63,7 @@ pub fn run(args: Args) -> Result<()> {
         block_size: args.block_size,
         include_partial: !args.full_blocks_only,
         non_ascii: args.non_ascii,
+        identity: args.index.block_identity(),
     };
     let hashes = hash_request(&request, config);
     if args.json {

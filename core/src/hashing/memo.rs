@@ -2,10 +2,11 @@
 //!
 //! Requests repeat most of their text: the same system prompt, the same document, the earlier
 //! turns of a conversation. Tokenizing and hashing that text again is most of what routing a
-//! long prompt costs (FNV-1a is one multiply per byte, sequentially). A message tokenizes on
-//! its own (its chat header starts with `<`, which ends every piece before it), and its blocks
-//! depend only on its bytes and the chain's state where it starts (the last full block's hash,
-//! the tokens of the partial block). So the memo keys each message by one xxh64 pass over
+//! long prompt costs (counting its pieces and hashing its bytes; with token ids, FNV-1a's
+//! multiply per byte, one after another). A message tokenizes on its own (its chat header
+//! starts with `<`, which ends every piece before it), and its blocks depend only on its bytes
+//! and the chain's state where it starts (the last full block's hash and the open block: its
+//! tokens, or the hash of its bytes so far). So the memo keys each message by one xxh64 pass over
 //! its bytes, seeded with that state, and keeps the blocks it completed and the state it left.
 //! A hit appends those blocks: the answer is exactly what hashing the message would give
 //! (tested against [`super::hash_request`]), at ~1 instruction per byte instead of ~40.
@@ -27,7 +28,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh64::xxh64;
 
-use super::Chainer;
+use super::{Chainer, Partial};
 use crate::request::RawMessage;
 use crate::tokenizer::Stopped;
 
@@ -50,9 +51,9 @@ struct Segment {
     tokens: usize,
     /// The full blocks the message completed.
     blocks: Vec<u64>,
-    /// The chain's state after it: last hash and partial block.
+    /// The chain's state after it: last hash and open block.
     parent: u64,
-    pending: Vec<u32>,
+    partial: Partial,
 }
 
 /// Hits and misses since the memo was made (misses count only messages long enough to keep).
@@ -200,7 +201,7 @@ impl ChainMemo {
         if let Some(segment) = self.get(key, bytes) {
             // The partial block always fits (the key's seed holds the block size); checked
             // anyway, since this runs in the data plane: a mismatch hashes the message.
-            if chain.resume((segment.parent, &segment.pending), segment.tokens) {
+            if chain.resume((segment.parent, &segment.partial), segment.tokens) {
                 out.extend_from_slice(&segment.blocks);
                 self.stats.hits += 1;
                 return;
@@ -217,13 +218,13 @@ impl ChainMemo {
         *slot = 0;
         let (before, tokens) = (out.len(), chain.count());
         tokenize(chain, out);
-        let (parent, pending) = chain.state();
+        let (parent, partial) = chain.state();
         let segment = Segment {
             bytes,
             tokens: chain.count() - tokens,
             blocks: out[before..].to_vec(),
             parent,
-            pending,
+            partial,
         };
         self.insert(key, segment);
     }
@@ -287,6 +288,7 @@ mod tests {
         block_size: 16,
         include_partial: true,
         non_ascii: crate::tokenizer::NonAscii::Pieces,
+        identity: crate::hashing::BlockIdentity::Text,
     };
 
     #[test]

@@ -5,7 +5,7 @@ use super::*;
 use crate::shared::MemShared;
 use prefixroute_core::config::EndpointConfig;
 use prefixroute_core::feed::{FeedServer, StoredRun};
-use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::hashing::{hash_request, BlockIdentity, HashConfig};
 use prefixroute_core::index::{PrefixStore, Turn};
 
 fn config(index: IndexMode, speculative_blocks: u64) -> PluginConfig {
@@ -41,6 +41,7 @@ fn full_blocks(body: &[u8]) -> Vec<u64> {
         HashConfig {
             block_size: 4,
             include_partial: false,
+            identity: BlockIdentity::TokenIds,
             ..HashConfig::default()
         },
     )

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use prefixroute_core::hashing::BlockIdentity;
 use prefixroute_core::hashing::{hash_request, hash_request_memo, ChainMemo, HashConfig};
 use prefixroute_core::request::{ParsedRequest, Prompt};
 use prefixroute_core::tokenizer::{tokenize, NonAscii};
@@ -50,6 +51,7 @@ impl Job {
             block_size,
             include_partial: false,
             non_ascii: NonAscii::default(),
+            identity: BlockIdentity::TokenIds,
         };
         Job::build(request, hash, output_tokens, None, true)
     }
@@ -208,6 +210,9 @@ impl Replica {
             block_size: self.config.block_size,
             include_partial: false,
             non_ascii: self.config.non_ascii,
+            // A server hashes its blocks' token ids, numbered as llm-d-inference-sim does; its
+            // KV events carry those hashes, which `index: precise` computes alike.
+            identity: BlockIdentity::TokenIds,
         };
         Job::build(
             request,
