@@ -59,10 +59,14 @@ struct Masks {
     l: u64,
 }
 
-/// The masks a byte at a time, from the class tables (natively, and the reference the wasm
-/// SIMD version is held to through the host tests' plugin == core comparisons).
+/// The masks eight bytes at a time from the class tables: the reference the SIMD versions are
+/// held to (natively by a property test, in wasm by the host tests' plugin == core
+/// comparisons), and the masks where there is no SIMD.
 #[cfg_attr(
-    all(target_arch = "wasm32", target_feature = "simd128"),
+    any(
+        all(target_arch = "wasm32", target_feature = "simd128"),
+        all(target_arch = "x86_64", target_feature = "sse2", not(test))
+    ),
     allow(dead_code)
 )]
 #[inline(always)]
@@ -129,7 +133,63 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
     out
 }
 
-#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+/// The wasm version's comparisons in SSE2 (every x86-64 has it), for the CLI and the
+/// simulator. SSE2 has no unsigned byte comparison: `x < len` is `min(x, len - 1) == x`.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[inline(always)]
+fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
+    use std::arch::x86_64::*;
+    // SAFETY (every intrinsic): SSE2 is enabled (the cfg above), and each load reads 16 bytes
+    // at 16 * k, inside the 64-byte chunk.
+    unsafe {
+        let splat = |b: u8| _mm_set1_epi8(b as i8);
+        let within = |v: __m128i, lo: u8, len: u8| {
+            let x = _mm_sub_epi8(v, splat(lo));
+            _mm_cmpeq_epi8(_mm_min_epu8(x, splat(len - 1)), x)
+        };
+        let mut out = Masks::default();
+        for k in 0..4 {
+            let v = _mm_loadu_si128(chunk.as_ptr().add(16 * k) as *const __m128i);
+            let alnum = _mm_or_si128(
+                within(_mm_or_si128(v, splat(0x20)), b'a', 26),
+                within(v, b'0', 10),
+            );
+            let underscore = _mm_cmpeq_epi8(v, splat(b'_'));
+            let others = _mm_or_si128(
+                alnum,
+                _mm_or_si128(
+                    _mm_cmpeq_epi8(v, splat(b'`')),
+                    _mm_cmpeq_epi8(v, splat(b'|')),
+                ),
+            );
+            // `_mm_andnot_si128(a, b)` is `!a & b`.
+            let p = _mm_andnot_si128(others, within(v, 0x21, 0x5e));
+            let (w, m, l) = if SKIP {
+                (alnum, underscore, _mm_setzero_si128())
+            } else {
+                let letter_lead = within(v, 0xc3, 0xdf - 0xc3 + 1);
+                let continuation = within(v, 0x80, 0x40);
+                let lead = _mm_andnot_si128(letter_lead, within(v, 0xc0, 0x40));
+                (
+                    _mm_or_si128(alnum, letter_lead),
+                    _mm_or_si128(underscore, continuation),
+                    lead,
+                )
+            };
+            let bits = |x: __m128i| u64::from(_mm_movemask_epi8(x) as u16) << (16 * k);
+            out.w |= bits(w);
+            out.m |= bits(m);
+            out.p |= bits(p);
+            out.l |= bits(l);
+        }
+        out
+    }
+}
+
+#[cfg(not(any(
+    all(target_arch = "wasm32", target_feature = "simd128"),
+    all(target_arch = "x86_64", target_feature = "sse2")
+)))]
 #[inline(always)]
 fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
     masks_by_table::<SKIP>(chunk)
@@ -314,6 +374,16 @@ mod tests {
         ) {
             let rule = if skip { NonAscii::Skip } else { NonAscii::Pieces };
             proptest::prop_assert_eq!(starts_by_masks(&text, rule), starts_by_bytes(&text, rule));
+        }
+
+        #[test]
+        fn the_simd_masks_are_the_tables_masks(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 64),
+        ) {
+            // Natively on x86-64 `masks` is the SSE2 version, the wasm one's comparisons.
+            let chunk: &[u8; 64] = bytes[..].try_into().unwrap();
+            proptest::prop_assert_eq!(masks::<false>(chunk), masks_by_table::<false>(chunk));
+            proptest::prop_assert_eq!(masks::<true>(chunk), masks_by_table::<true>(chunk));
         }
 
         #[test]
