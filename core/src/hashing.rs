@@ -660,12 +660,14 @@ mod tests {
         let Prompt::Text(text) = &req.prompts[0] else {
             panic!("chat is text")
         };
-        for block_size in 1..6 {
+        for (block_size, identity) in
+            (1..6).flat_map(|b| [BlockIdentity::TokenIds, BlockIdentity::Text].map(|i| (b, i)))
+        {
             let config = HashConfig {
                 block_size,
                 include_partial: true,
                 non_ascii: NonAscii::Pieces,
-                identity: BlockIdentity::TokenIds,
+                identity,
             };
             let h = hash_request(&req, config);
             let expected: Vec<usize> = req
@@ -676,11 +678,40 @@ mod tests {
                 })
                 .filter(|&k| k > 0)
                 .collect();
-            assert_eq!(h.marks, vec![expected.clone()], "block size {block_size}");
-            // Marking changes no hash.
+            assert_eq!(
+                h.marks,
+                vec![expected.clone()],
+                "{identity:?}, block size {block_size}"
+            );
             let mut plain = Vec::new();
             chain_text_into(text, chain_seed("", ""), config, &mut plain);
-            assert_eq!(h.chains[0], plain);
+            assert_eq!(h.chains[0].len(), plain.len());
+            if identity == BlockIdentity::TokenIds {
+                // Marking changes no hash.
+                assert_eq!(h.chains[0], plain);
+            } else {
+                // Hashed message by message, the first block that spans a message boundary
+                // differs from the same text's hashed in one piece, and no block before it.
+                let spanning = req
+                    .boundaries
+                    .iter()
+                    .map(|&b| crate::tokenizer::tokenize(&text[..b], NonAscii::default()).len())
+                    .filter(|t| t % block_size != 0)
+                    .map(|t| t / block_size)
+                    .min()
+                    .unwrap_or(plain.len());
+                assert_eq!(
+                    h.chains[0][..spanning],
+                    plain[..spanning],
+                    "block size {block_size}"
+                );
+                if spanning < plain.len() {
+                    assert_ne!(
+                        h.chains[0][spanning], plain[spanning],
+                        "block size {block_size}"
+                    );
+                }
+            }
         }
         // "<", "system", ">\n", "a ", …, "e\n": 8 tokens before the user message.
         assert_eq!(hash_request(&req, FULL).marks, vec![vec![2, 3]]);

@@ -16,7 +16,7 @@
 //!
 //! The scanner is written by hand so the wasm plugin carries no regex engine. A router whose
 //! blocks are known by their text needs no ids, only where every 16th piece starts: `spans`
-//! counts the same pieces 64 bytes at a time from bit masks ([`cut_blocks`]).
+//! counts the same pieces 64 bytes at a time from bit masks (`cut_blocks`).
 
 /// The single-character pieces.
 const PUNCTUATION: &[u8] = b"{}:,-.?!;@#$%^&*()+_~/\\><[]=\"'";
