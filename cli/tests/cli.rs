@@ -306,6 +306,13 @@ fn hash_reads_a_body_and_a_plain_prompt() {
     let plain = run("hello world", &["--json"]);
     let json: serde_json::Value = serde_json::from_slice(&plain.stdout).unwrap();
     assert_eq!(json["tokens"][0], 2);
+    assert_eq!(json["identity"], "text");
+    // `--index precise` hashes the token ids, as the servers do: the same blocks, other hashes.
+    let precise = run("hello world", &["--json", "--index", "precise"]);
+    let precise: serde_json::Value = serde_json::from_slice(&precise.stdout).unwrap();
+    assert_eq!(precise["identity"], "token_ids");
+    assert_eq!(precise["tokens"], json["tokens"]);
+    assert_ne!(precise["hashes"], json["hashes"]);
     let bad = run("{\"messages\": 3}", &[]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(

@@ -2,7 +2,7 @@ use std::io::Read;
 
 use anyhow::{Context, Result};
 use prefixroute_core::config::IndexMode;
-use prefixroute_core::hashing::{hash_request, HashConfig};
+use prefixroute_core::hashing::{hash_request, BlockIdentity, HashConfig};
 use prefixroute_core::request::{parse_request, ParsedRequest, Prompt};
 use prefixroute_core::tokenizer::NonAscii;
 
@@ -76,6 +76,7 @@ pub fn run(args: Args) -> Result<()> {
             "model": request.model,
             "cache_salt": request.cache_salt,
             "block_size": args.block_size,
+            "identity": config.identity,
             "tokens": hashes.tokens,
             "blocks": hashes.total_blocks(),
             "hashes": chains,
@@ -83,8 +84,12 @@ pub fn run(args: Args) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
+    let identity = match config.identity {
+        BlockIdentity::Text => "text",
+        BlockIdentity::TokenIds => "token ids",
+    };
     println!(
-        "model: {:?}  cache_salt: {:?}  block size: {}",
+        "model: {:?}  cache_salt: {:?}  block size: {}  blocks hashed by: {identity}",
         request.model,
         request.cache_salt.unwrap_or_default(),
         args.block_size
