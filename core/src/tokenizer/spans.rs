@@ -1,23 +1,23 @@
-//! The same pieces, found 64 bytes at a time, for token ids that only the router compares
-//! ([`super::BlockIdentity::Text`]).
+//! The same pieces, counted 64 bytes at a time, for blocks known by their text
+//! ([`crate::hashing::BlockIdentity::Text`]).
 //!
 //! Why a second scanner: the byte scanner ([`super::for_each_token_stopped`]) ends each run
 //! with a branch, and which byte ends a word is data the CPU cannot predict. Natively and in
 //! V8, a cold 64 KB prompt spent most of its tokenizer time in those mispredicted branches and
 //! in FNV-1a's multiply chain, not in the instructions the wasm fuel counts (docs/benchmarks.md).
+//! A block known by its text needs neither: only where every `block_size`-th piece starts.
 //! Here each 64-byte chunk is classified into four bit masks without a branch, the first byte
 //! of every piece is computed from the masks (a word's run of `_` and continuation bytes is
-//! filled by one addition, with a carry into the next chunk), and each piece's id is a
-//! multiply hash of the bytes from its first byte to the next piece's: a branch per piece
-//! that is taken the same way every time, and no multiply chain through the bytes.
+//! filled by one addition, with a carry into the next chunk), and the pieces are counted with
+//! one population count per chunk; only the piece that opens a block is looked for.
 //!
 //! The pieces start where the byte scanner's start (a property test holds the two together),
-//! so token counts, blocks and marks are the same; only the ids differ, and they are compared
-//! with nothing but the router's own.
+//! so token counts, blocks and marks are the same as with token ids.
 
 use super::{NonAscii, Stopped, CLASS, LEAD, LETTER_LEAD, PUNCT, WORD};
 
-/// Class bits of a byte, one mask each per chunk.
+// Class bits of a byte, one mask each per chunk.
+
 /// Starts a word, or continues one: an ASCII letter or digit (with [`NonAscii::Pieces`], also
 /// the first byte of a letter of an alphabet that spaces its words).
 const W: u8 = 1;
