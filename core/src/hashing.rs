@@ -237,7 +237,7 @@ fn chain_messages(
     let usable = boundaries
         .iter()
         .copied()
-        .filter(|&b| b <= text.len() && text.is_char_boundary(b));
+        .filter(|&b| text.is_char_boundary(b));
     for end in usable.chain([text.len()]) {
         if end < start {
             continue;
@@ -297,7 +297,11 @@ impl Chainer {
         let block_size = config.block_size.max(1);
         Chainer {
             parent: seed,
-            pending: vec![0; block_size],
+            // Only a chain of token ids keeps its open block's tokens.
+            pending: match config.identity {
+                BlockIdentity::TokenIds => vec![0; block_size],
+                BlockIdentity::Text => Vec::new(),
+            },
             filled: 0,
             span: TEXT_SEED,
             full_tokens: 0,

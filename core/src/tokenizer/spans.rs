@@ -369,7 +369,7 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn the_masks_start_the_pieces_where_the_byte_scanner_does(
-            text in "[a-zA-Z0-9_ \t\n\r\x0b\x0c\x00\x01\x7f,.!?:;{}()\\[\\]<>=+*&^%$#@~/\\\\'\"`|\u{80}\u{bf}\u{c0}éдߺࠀ«日🦀-]{0,200}",
+            text in super::super::texts_of_every_class(200),
             skip in proptest::bool::ANY,
         ) {
             let rule = if skip { NonAscii::Skip } else { NonAscii::Pieces };
