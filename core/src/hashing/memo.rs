@@ -6,7 +6,7 @@
 //! multiply per byte, one after another). A message tokenizes on its own (its chat header
 //! starts with `<`, which ends every piece before it), and its blocks depend only on its bytes
 //! and the chain's state where it starts (the last full block's hash and the open block: its
-//! tokens, or the hash of its bytes so far). So the memo keys each message by one xxh64 pass over
+//! tokens, or the hash of its bytes so far). So the memo keys each message by one xxh3 pass over
 //! its bytes, seeded with that state, and keeps the blocks it completed and the state it left.
 //! A hit appends those blocks: the answer is exactly what hashing the message would give
 //! (tested against [`super::hash_request`]), at ~1 instruction per byte instead of ~40.
@@ -26,8 +26,9 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use xxhash_rust::xxh64::xxh64;
+use xxhash_rust::xxh3::xxh3_64;
 
+use super::fixed::xxh64_pair;
 use super::{Chainer, Partial};
 use crate::request::RawMessage;
 use crate::tokenizer::Stopped;
@@ -42,6 +43,15 @@ pub const DEFAULT_CAPACITY_BLOCKS: usize = 131_072;
 const MAX_ENTRIES: usize = 1_024;
 /// Keys of messages met once, remembered to admit them when met again.
 const MAX_SEEN: usize = 4_096;
+
+/// The memo's key of `bytes` met in the chain state `seed`: xxh3 of the bytes, mixed with the
+/// seed. A key reads every byte of every message the memo is asked about, hits and misses
+/// alike: xxh3's long-input loop takes 64 bytes a step (wasm SIMD in the plugin), ~4x fewer
+/// wasm instructions per byte than xxh64's chain of multiplies (docs/benchmarks.md). Unseeded,
+/// so it never derives a secret from the seed; the seed is mixed in after.
+fn message_key(bytes: &[u8], seed: u64) -> u64 {
+    xxh64_pair(xxh3_64(bytes), seed)
+}
 
 /// What hashing one message did to a chain.
 #[derive(Debug, Clone)]
@@ -63,7 +73,7 @@ pub struct MemoStats {
     pub misses: u64,
 }
 
-/// The keys are xxh64 values already: use them as they are.
+/// The keys are hash values already: use them as they are.
 #[derive(Default)]
 struct KeyHasher(u64);
 
@@ -140,7 +150,7 @@ impl ChainMemo {
             chain.push_text(message, out);
             return;
         }
-        let key = xxh64(message.as_bytes(), chain.state_key());
+        let key = message_key(message.as_bytes(), chain.state_key());
         self.chain_keyed(key, message.len(), chain, out, |chain, out| {
             chain.push_text(message, out)
         });
@@ -180,8 +190,8 @@ impl ChainMemo {
         }
         // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
         // never key another's decoded text; the role's hash seeds the content's.
-        let role = xxh64(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
-        let key = xxh64(content, role);
+        let role = message_key(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
+        let key = message_key(content, role);
         self.chain_keyed(key, bytes, chain, out, |chain, out| {
             flatten(scratch);
             chain.push_stopped(Stopped::stop(scratch), out);
