@@ -8,6 +8,7 @@
 //! counted metric. Nothing on this path can panic.
 
 use std::cell::RefCell;
+use std::fmt::Write as _;
 use std::rc::Rc;
 
 use prefixroute_core::config::DEFAULT_DESTINATION_HEADER;
@@ -57,14 +58,13 @@ impl Filter {
         }
     }
 
-    fn destination_header(&self) -> String {
-        self.scheduler
-            .as_ref()
-            .and_then(|e| e.try_borrow().ok())
-            .map_or_else(
-                || DEFAULT_DESTINATION_HEADER.to_string(),
-                |e| e.config().destination_header.clone(),
-            )
+    /// Removes the destination header a client may have sent.
+    fn remove_destination_header(&self) -> Result<(), u32> {
+        let scheduler = self.scheduler.as_ref().and_then(|e| e.try_borrow().ok());
+        let name = scheduler.as_ref().map_or(DEFAULT_DESTINATION_HEADER, |e| {
+            &e.config().destination_header
+        });
+        abi::remove_header(MapType::HttpRequestHeaders, name)
     }
 
     fn max_body_bytes(&self) -> usize {
@@ -104,17 +104,20 @@ impl Filter {
             return;
         };
         let choice = decide(&mut e, abi::now_ms());
-        let header = e.config().destination_header.clone();
-        let destination = e.destination(&choice);
+        // No destination (an empty pool): the header stays removed and Envoy's
+        // fallback_policy picks.
+        let failed = e.destination(&choice).is_some_and(|destination| {
+            abi::replace_header(
+                MapType::HttpRequestHeaders,
+                &e.config().destination_header,
+                &destination,
+            )
+            .is_err()
+        });
         flush(&mut e, &self.metrics);
         drop(e);
         self.choice = Some(choice);
-        // No destination (an empty pool): the header stays removed and Envoy's
-        // fallback_policy picks.
-        let Some(destination) = destination else {
-            return;
-        };
-        if abi::replace_header(MapType::HttpRequestHeaders, &header, &destination).is_err() {
+        if failed {
             self.count(Event::HeaderError);
         }
     }
@@ -178,7 +181,7 @@ impl HttpContext for Filter {
         self.count(Event::Request);
         // Drop any client-supplied destination first: whatever happens next, a client never
         // picks the upstream host.
-        if abi::remove_header(MapType::HttpRequestHeaders, &self.destination_header()).is_err() {
+        if self.remove_destination_header().is_err() {
             self.count(Event::HeaderError);
         }
         let header = |name| {
@@ -243,18 +246,19 @@ impl HttpContext for Filter {
         let Ok(e) = scheduler.try_borrow() else {
             return Action::Continue;
         };
-        let name = e.name(choice.endpoint).to_string();
-        drop(e);
-        // Each header written as it is made, without a list of them.
+        // Each header written as it is made, without a list of them; the numbers through one
+        // buffer (an allocation per header showed in the instruction counts).
         let put = |header: &str, value: &str| {
             if abi::replace_header(MapType::HttpResponseHeaders, header, value).is_err() {
                 self.count(Event::HeaderError);
             }
         };
         // No name: the pool was empty (none discovered yet) and Envoy's fallback_policy chose.
+        let name = e.name(choice.endpoint);
         if !name.is_empty() {
-            put("x-prefixroute-endpoint", &name);
+            put("x-prefixroute-endpoint", name);
         }
+        drop(e);
         match choice.route {
             Route::Routed {
                 policy,
@@ -264,17 +268,30 @@ impl HttpContext for Filter {
                 ..
             } => {
                 put("x-prefixroute-policy", policy.name());
-                put(
+                let mut value = String::with_capacity(24);
+                let mut put_value = |header: &str, args: std::fmt::Arguments| {
+                    value.clear();
+                    // Writing to a String cannot fail.
+                    let _ = value.write_fmt(args);
+                    put(header, &value);
+                };
+                put_value(
                     "x-prefixroute-match",
-                    &format!("{matched_blocks}/{total_blocks}"),
+                    format_args!("{matched_blocks}/{total_blocks}"),
                 );
                 if let Some(p) = prediction {
-                    put(
+                    put_value(
                         "x-prefixroute-uncached-tokens",
-                        &p.uncached_tokens.to_string(),
+                        format_args!("{}", p.uncached_tokens),
                     );
-                    put("x-prefixroute-queue-ms", &whole_ms(p.queue_ms).to_string());
-                    put("x-prefixroute-ttft-ms", &whole_ms(p.ttft_ms).to_string());
+                    put_value(
+                        "x-prefixroute-queue-ms",
+                        format_args!("{}", whole_ms(p.queue_ms)),
+                    );
+                    put_value(
+                        "x-prefixroute-ttft-ms",
+                        format_args!("{}", whole_ms(p.ttft_ms)),
+                    );
                 }
             }
             Route::Fallback(reason) => {
