@@ -693,7 +693,7 @@ impl<S: PrefixStore> Router<S> {
         };
         let second_request = head > 0;
         let live_group_blocks = self.growth.live_group_blocks();
-        let gap_ms = self.growth.mean_gap_ms();
+        let live = self.live.at(self.now_ms, self.growth.mean_gap_ms());
         let mut scores: Vec<EndpointScores> = (0..loads.len())
             .map(|i| {
                 let matched_blocks: usize = matches.of(i).iter().sum();
@@ -714,8 +714,7 @@ impl<S: PrefixStore> Router<S> {
                             continues: matches.continues[i].is_some(),
                             second_request,
                             future_blocks,
-                            growing_blocks: self.live.on(i, self.now_ms, gap_ms)
-                                * live_group_blocks,
+                            growing_blocks: live.on(i) * live_group_blocks,
                             agreed_home: matches.agreed_home == Some(i),
                         },
                         &loads[i].latency,
@@ -1290,10 +1289,11 @@ fn bound_busy_holders(
     now_ms: f64,
 ) {
     let mean = |recent: &RecentRequests| {
+        let counts = recent.counts_at(now_ms);
         let (mut n, mut total) = (0usize, 0.0);
         for (e, _) in scores.iter().enumerate().filter(|(_, s)| !s.excluded) {
             n += 1;
-            total += recent.count(e, now_ms);
+            total += counts.on(e);
         }
         total / n.max(1) as f64
     };
@@ -1303,8 +1303,9 @@ fn bound_busy_holders(
         return;
     }
     let bound = factor * mean(fleet) + RecentRequests::SLACK;
+    let fleet = fleet.counts_at(now_ms);
     for (e, s) in scores.iter_mut().enumerate() {
-        if !s.excluded && s.matched_blocks == held && fleet.count(e, now_ms) > bound {
+        if !s.excluded && s.matched_blocks == held && fleet.on(e) > bound {
             s.excluded = true;
             s.over_share = true;
         }

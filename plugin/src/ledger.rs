@@ -316,8 +316,9 @@ impl Ledger {
         live.count.resize(n, 0.0);
         live.at_ms = now_ms as f64;
         recent.reset(n, now_ms as f64);
+        let own_recent = self.recent.counts_at(now_ms as f64);
         for e in 0..n {
-            recent.add(e, self.recent.count(e, now_ms as f64), now_ms as f64);
+            recent.add(e, own_recent.on(e), now_ms as f64);
         }
         let mut peer_live = std::mem::take(&mut self.peer_live);
         peer_live.clear();
@@ -339,14 +340,15 @@ impl Ledger {
             theirs.rates.resize(n, PrefillRate::default());
             theirs.lanes = record.lanes;
             theirs.hold = record.hold;
+            // Every count of a record is as of its heartbeat: one decay for all of them.
+            let heartbeat_ms = record.heartbeat_ms as f64;
+            let keep = pooled.recent.keep_since(heartbeat_ms);
             for ledger in &record.endpoints {
                 if let Some(e) = self.ids.index(ledger.endpoint) {
                     pooled.add_work(e, &ledger.work, &ledger.sent);
                     theirs.rates[e] = ledger.rate;
                     peer_live.push((e, ledger.live_groups, record.live_at_ms));
-                    pooled
-                        .recent
-                        .add(e, ledger.recent_requests, record.heartbeat_ms as f64);
+                    pooled.recent.add_kept(e, ledger.recent_requests, keep);
                 }
             }
             pooled.learned.add(theirs);
@@ -473,6 +475,7 @@ impl Ledger {
         record.growth = self.growth;
         record.live_at_ms = self.live.at_ms;
         record.endpoints.clear();
+        let recent = self.recent.counts_at(now_ms as f64);
         record.endpoints.extend(
             (0..self.ids.len())
                 .map(|e| EndpointLedger {
@@ -481,7 +484,7 @@ impl Ledger {
                     rate: self.own.learned.rates[e],
                     sent: self.own.sent[e],
                     live_groups: self.live.count.get(e).copied().unwrap_or(0.0),
-                    recent_requests: self.recent.count(e, now_ms as f64),
+                    recent_requests: recent.on(e),
                 })
                 .filter(|l| !l.is_empty()),
         );
