@@ -26,6 +26,17 @@
 //!
 //! LLVM inlines the tokenizer and the chain into the scheduler's `route`; mark the functions
 //! of interest `#[inline(never)]` for such a build to see them apart.
+//!
+//! Where the last request's wasm instructions go, by guest function, counted rather than
+//! sampled (`host_tests::execution`; read its caveats): instrument the named build with
+//! binaryen, keep its text, and point `PREFIXROUTE_EXECUTION_WAT` at it:
+//!
+//! ```text
+//! wasm-opt -g --all-features --log-execution /tmp/named/wasm32-wasip1/wasm/prefixroute_plugin.wasm -o /tmp/logged.wasm
+//! wasm-dis /tmp/logged.wasm -o /tmp/logged.wat
+//! PREFIXROUTE_PLUGIN_WASM=/tmp/logged.wasm PREFIXROUTE_EXECUTION_WAT=/tmp/logged.wat \
+//!   target/release/examples/profile 1024 warm 200 64 130
+//! ```
 use host_tests::{Host, Request};
 
 fn main() {
@@ -116,7 +127,11 @@ fn run() -> Result<(), String> {
     // The last request's costs, kept whole: the host calls printed are its (formatting them on
     // every request would put the host's work into a `perf` profile of this loop).
     let mut last = None;
-    for body in &bodies {
+    let execution_wat = std::env::var_os("PREFIXROUTE_EXECUTION_WAT");
+    for (r, body) in bodies.iter().enumerate() {
+        if execution_wat.is_some() && r + 1 == bodies.len() {
+            vm.record_execution();
+        }
         let rt = vm
             .round_trip(&Request::chat(body.clone()))
             .map_err(|e| format!("{e:#}"))?;
@@ -146,6 +161,25 @@ fn run() -> Result<(), String> {
             .map(|costs| costs.host_calls.clone())
             .unwrap_or_default();
         println!("  {callback}: {} per request; {calls:?}", callback_fuel / n);
+    }
+    if let Some(path) = execution_wat {
+        let wat = std::fs::read_to_string(&path)
+            .map_err(|e| format!("reading {}: {e}", path.to_string_lossy()))?;
+        let points = host_tests::execution::points_by_function(&wat);
+        let log = vm.take_execution();
+        if log.is_empty() {
+            return Err(
+                "the module logged nothing: is it instrumented with wasm-opt --log-execution?"
+                    .into(),
+            );
+        }
+        println!("the last request by guest function (instructions, points reached):");
+        for (function, fuel, reached) in host_tests::execution::by_function(&log, &points)
+            .iter()
+            .take(40)
+        {
+            println!("  {fuel:>9} {reached:>7}  {function}");
+        }
     }
     Ok(())
 }

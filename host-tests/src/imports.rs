@@ -316,9 +316,23 @@ pub(crate) fn linker(module: &Module) -> wasmtime::Result<Linker<VmState>> {
     l.allow_shadowing(true);
     define_stubs(&mut l, module)?;
     define_proxy(&mut l)?;
+    define_execution_log(&mut l)?;
     define_unimplemented_proxy(&mut l)?;
     define_wasi(&mut l)?;
     Ok(l)
+}
+
+/// `env.log_execution(id)`, which binaryen's `wasm-opt --log-execution` calls at every
+/// function's entry and loop's head: the fuel left there, while a recording is on (see
+/// `examples/attribute.rs`). Not a proxy-wasm import; a module without it never calls it.
+fn define_execution_log(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
+    l.func_wrap("env", "log_execution", |mut c: C<'_>, id: i32| {
+        let fuel = c.get_fuel().unwrap_or(0);
+        if let Some(log) = c.data_mut().execution.as_mut() {
+            log.push((id as u32, fuel));
+        }
+    })?;
+    Ok(())
 }
 
 fn define_proxy(l: &mut Linker<VmState>) -> wasmtime::Result<()> {

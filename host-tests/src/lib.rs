@@ -19,6 +19,7 @@ pub mod abi;
 pub mod capture;
 pub mod clock;
 pub mod costs;
+pub mod execution;
 mod host;
 mod imports;
 pub mod shared;

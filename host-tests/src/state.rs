@@ -135,6 +135,9 @@ pub(crate) struct VmState {
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
     pub rng: u64,
+    /// While recording ([`crate::Vm::record_execution`]): each `env.log_execution(id)` call of
+    /// a module instrumented by binaryen's `wasm-opt --log-execution`, with the fuel left.
+    pub execution: Option<Vec<(u32, u64)>>,
 }
 
 impl VmState {
@@ -184,6 +187,7 @@ impl VmState {
             costs: BTreeMap::new(),
             stdout: Vec::new(),
             stderr: Vec::new(),
+            execution: None,
         }
     }
 

@@ -250,6 +250,18 @@ impl Vm {
         self.store.data().tick_period_ms
     }
 
+    /// Starts recording the calls of `env.log_execution` (a module instrumented by binaryen's
+    /// `wasm-opt --log-execution`), forgetting any earlier recording.
+    pub fn record_execution(&mut self) {
+        self.store.data_mut().execution = Some(Vec::new());
+    }
+
+    /// Stops recording and returns what was recorded: each logged point's id with the fuel
+    /// left when it was reached, in order.
+    pub fn take_execution(&mut self) -> Vec<(u32, u64)> {
+        self.store.data_mut().execution.take().unwrap_or_default()
+    }
+
     /// Costs of one context (a request's HTTP context, or the root context).
     pub fn costs(&self, context_id: u32) -> ContextCosts {
         self.store
