@@ -150,9 +150,12 @@ pub fn get_header(map_type: MapType, key: &str) -> Result<Option<Vec<u8>>, u32> 
     }
 }
 
-/// A header's value as text (lossy: header values are bytes).
+/// A header's value as text (lossy: header values are bytes). A valid value keeps the host's
+/// buffer; only an invalid one is copied.
 pub fn get_header_string(map_type: MapType, key: &str) -> Result<Option<String>, u32> {
-    Ok(get_header(map_type, key)?.map(|v| String::from_utf8_lossy(&v).into_owned()))
+    Ok(get_header(map_type, key)?.map(|v| {
+        String::from_utf8(v).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }))
 }
 
 /// Sets a header, replacing every existing value.
