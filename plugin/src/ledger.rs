@@ -341,8 +341,7 @@ impl Ledger {
             theirs.lanes = record.lanes;
             theirs.hold = record.hold;
             // Every count of a record is as of its heartbeat: one decay for all of them.
-            let heartbeat_ms = record.heartbeat_ms as f64;
-            let keep = pooled.recent.keep_since(heartbeat_ms);
+            let keep = pooled.recent.keep_since(record.heartbeat_ms as f64);
             for ledger in &record.endpoints {
                 if let Some(e) = self.ids.index(ledger.endpoint) {
                     pooled.add_work(e, &ledger.work, &ledger.sent);

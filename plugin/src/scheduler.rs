@@ -244,18 +244,18 @@ impl<H: SharedData> Scheduler<H> {
     /// no endpoint (an empty pool), so Envoy's fallback policy picks.
     pub fn destination(&self, choice: &Choice) -> Option<String> {
         let first = self.pool.members.get(choice.endpoint)?;
-        let failover = choice
-            .failover
-            .iter()
-            .filter_map(|&e| self.pool.members.get(e));
-        let bytes = failover.map(|m| m.address.len() + 1).sum::<usize>();
+        let failover = || {
+            choice
+                .failover
+                .iter()
+                .filter_map(|&e| self.pool.members.get(e))
+        };
+        let bytes = failover().map(|m| m.address.len() + 1).sum::<usize>();
         let mut value = String::with_capacity(first.address.len() + bytes);
         value.push_str(&first.address);
-        for &e in &choice.failover {
-            if let Some(m) = self.pool.members.get(e) {
-                value.push(',');
-                value.push_str(&m.address);
-            }
+        for m in failover() {
+            value.push(',');
+            value.push_str(&m.address);
         }
         Some(value)
     }
