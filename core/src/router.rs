@@ -856,7 +856,7 @@ impl<S: PrefixStore> Router<S> {
         self.growth
             .observe(decision.continued, new_blocks, committed.now_ms);
         if decision.cold {
-            self.cold_clock += 1;
+            self.cold_clock = self.next_cold_stamp();
             self.last_cold[decision.endpoint] = Some(self.cold_clock);
         }
         Some(committed)
@@ -1002,6 +1002,13 @@ impl<S: PrefixStore> Router<S> {
     /// more recent, `None` = never).
     pub fn last_cold(&self) -> &[Option<u64>] {
         &self.last_cold
+    }
+
+    /// The logical time the next cold commit stamps its endpoint with (one past the largest
+    /// so far): a proxy that shares [`Self::last_cold`] can write it with the other things the
+    /// commit writes, before the commit.
+    pub fn next_cold_stamp(&self) -> u64 {
+        self.cold_clock + 1
     }
 
     /// Replaces no-hit-lru's memory, e.g. with the view a proxy shares between its workers so
@@ -1850,6 +1857,7 @@ mod tests {
         let totals = |d: &Decision| d.scores.iter().map(|s| s.total).collect::<Vec<_>>();
         assert_eq!(totals(&db), totals(&da));
         assert_ne!(db.endpoint, d.endpoint);
+        assert_eq!(b.next_cold_stamp(), 2);
         b.commit(&db, &h);
         assert_eq!(
             b.last_cold()[db.endpoint],

@@ -14,7 +14,7 @@ use prefixroute_core::request::read_chat;
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
-use crate::codec::{CalibrationRecord, EndpointState, FeedCursor, Membership};
+use crate::codec::{CalibrationRecord, FeedCursor, Membership};
 use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
@@ -334,6 +334,11 @@ impl<H: SharedData> Scheduler<H> {
             return self.fallback(FallbackReason::Internal, now_ms);
         };
         let endpoint = decision.endpoint;
+        if decision.cold {
+            // Shared with the other workers by the commit's own write of the record.
+            let stamp = self.router.next_cold_stamp();
+            self.router.store_mut().publish_cold(endpoint, stamp);
+        }
         let prediction = self
             .router
             .prediction_for(&decision, &hashes, &loads[endpoint]);
@@ -350,9 +355,6 @@ impl<H: SharedData> Scheduler<H> {
         self.ledger.record_request(endpoint, now_ms);
         let errors = self.router.store_mut().end_request();
         self.count_shared(errors);
-        if decision.cold {
-            self.publish_cold(endpoint);
-        }
         let uncached = prediction.uncached_tokens as u64;
         self.acquire(endpoint, &prediction, now_ms);
         self.events.push(Event::Routed {
@@ -450,27 +452,6 @@ impl<H: SharedData> Scheduler<H> {
         // ledger's counts when the request is steered).
         self.ledger.count_refused(refused);
         loads
-    }
-
-    /// Shares a cold pick: the endpoint's `last_cold` becomes the router's new stamp (one past
-    /// the largest any worker had published).
-    fn publish_cold(&mut self, endpoint: usize) {
-        let Some(stamp) = self.router.last_cold().get(endpoint).copied().flatten() else {
-            return;
-        };
-        let outcome = cas_update(
-            self.host(),
-            &self.keys[endpoint],
-            EndpointState::decode,
-            EndpointState::encode,
-            |mut state| {
-                (state.last_cold < stamp).then(|| {
-                    state.last_cold = stamp;
-                    state
-                })
-            },
-        );
-        self.settle(outcome);
     }
 
     /// Chooses an endpoint without a parsed body (see [`fallback`]).

@@ -324,6 +324,8 @@ struct MemInner {
     next_cas: u32,
     gets: u64,
     sets: u64,
+    /// Successful writes, per key.
+    writes: BTreeMap<String, u64>,
     /// Fail the next N CAS-guarded sets with CasMismatch (to exercise retry paths).
     force_mismatches: u32,
 }
@@ -341,6 +343,11 @@ impl MemShared {
 
     pub fn keys(&self) -> Vec<String> {
         self.inner.borrow().map.keys().cloned().collect()
+    }
+
+    /// How many sets of `key` succeeded so far.
+    pub fn writes_to(&self, key: &str) -> u64 {
+        self.inner.borrow().writes.get(key).copied().unwrap_or(0)
     }
 
     pub fn value(&self, key: &str) -> Option<Vec<u8>> {
@@ -381,6 +388,7 @@ impl SharedData for MemShared {
                 i.map.insert(key.to_string(), (value.to_vec(), next));
             }
         }
+        *i.writes.entry(key.to_string()).or_default() += 1;
         Ok(())
     }
 }

@@ -361,6 +361,9 @@ struct Cache {
     buckets: CacheMap<u64, Slot<Bucket>>,
     /// (bucket, update) in the order queued; grouped by bucket when sent.
     pending: Vec<(u64, Update)>,
+    /// A cold pick's stamp for an endpoint's `last_cold` (see [`SharedIndex::publish_cold`]),
+    /// until a write of that endpoint's record carries it.
+    cold: Option<(usize, u64)>,
     errors: SharedDataErrors,
 }
 
@@ -581,6 +584,16 @@ impl<H: SharedData> SharedIndex<H> {
         cache.states.clear();
         cache.buckets.clear();
         cache.pending.clear();
+        cache.cold = None;
+    }
+
+    /// Shares a cold pick of this request: `endpoint`'s `last_cold` becomes `stamp` unless a
+    /// worker wrote a later one. Carried by the write that reserves the request's stamps on
+    /// that record when it records blocks there (a cold request always does, unless it is
+    /// shorter than a block), else written by [`Self::end_request`]: one CAS of the record a
+    /// cold request, not two.
+    pub fn publish_cold(&mut self, endpoint: usize, stamp: u64) {
+        self.cache.get_mut().cold = Some((endpoint, stamp));
     }
 
     /// Sends the request's index writes (one CAS per bucket touched), drops the request's
@@ -592,6 +605,14 @@ impl<H: SharedData> SharedIndex<H> {
         let updates: Vec<Update> = pending.iter().map(|&(_, u)| u).collect();
         for run in runs(&pending, |&(bucket, _)| bucket) {
             self.write_bucket(pending[run.start].0, &updates[run]);
+        }
+        if let Some((endpoint, stamp)) = self.cache.get_mut().cold.take() {
+            self.update_state(endpoint, |mut next: EndpointState| {
+                (next.last_cold < stamp).then(|| {
+                    next.last_cold = stamp;
+                    next
+                })
+            });
         }
         let writes = self.host.endpoint_writes.get();
         let cache = self.cache.get_mut();
@@ -814,7 +835,14 @@ impl<H: SharedData> SharedIndex<H> {
         restart: bool,
     ) -> Option<u64> {
         let capacity = self.endpoint_capacity(endpoint);
-        self.update_state(endpoint, |mut next: EndpointState| {
+        let cold = match self.cache.borrow().cold {
+            Some((e, stamp)) if e == endpoint => Some(stamp),
+            _ => None,
+        };
+        let clock = self.update_state(endpoint, |mut next: EndpointState| {
+            if let Some(stamp) = cold {
+                next.last_cold = next.last_cold.max(stamp);
+            }
             let from = next.clock;
             next.clock = next.clock.saturating_add(n);
             if restart {
@@ -831,7 +859,11 @@ impl<H: SharedData> SharedIndex<H> {
                 }
             }
             Some(next)
-        })
+        });
+        if clock.is_some() && cold.is_some() {
+            self.cache.borrow_mut().cold = None;
+        }
+        clock
     }
 
     /// A read-modify-write of `endpoint`'s record through the request cache (the cached copy
@@ -1424,6 +1456,44 @@ mod tests {
             Some(Turn::Later),
             "visible to the next request"
         );
+    }
+
+    #[test]
+    fn a_cold_picks_stamp_rides_on_the_records_clock_write_or_is_written_at_the_end() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(2), 1000);
+        let last_cold = |s: &mut SharedIndex<MemShared>, e: usize| {
+            s.begin_request();
+            s.with_endpoint_state(e, |state| state.last_cold)
+        };
+        let record_sets = |host: &MemShared, e: usize| host.writes_to(&endpoint_key(&addrs(2)[e]));
+        // A cold request that records blocks: one write of the record carries the clock
+        // and the stamp.
+        s.begin_request();
+        s.publish_cold(1, 7);
+        s.record(1, &(0..40).collect::<Vec<u64>>());
+        s.end_request();
+        assert_eq!(record_sets(&host, 1), 1);
+        assert_eq!(last_cold(&mut s, 1), 7);
+        // Nothing recorded (a prompt shorter than a block): the stamp is written at the end.
+        s.begin_request();
+        s.publish_cold(0, 8);
+        s.end_request();
+        assert_eq!(record_sets(&host, 0), 1);
+        assert_eq!(last_cold(&mut s, 0), 8);
+        // Another worker's later stamp is not taken back; an older one is not rewritten.
+        s.begin_request();
+        s.publish_cold(0, 5);
+        s.end_request();
+        assert_eq!(record_sets(&host, 0), 1, "nothing to write");
+        assert_eq!(last_cold(&mut s, 0), 8);
+        // Recording on one endpoint does not carry another's stamp.
+        s.begin_request();
+        s.publish_cold(0, 9);
+        s.record(1, &(100..140).collect::<Vec<u64>>());
+        s.end_request();
+        assert_eq!(last_cold(&mut s, 1), 7);
+        assert_eq!(last_cold(&mut s, 0), 9);
     }
 
     #[test]
