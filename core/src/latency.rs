@@ -1647,7 +1647,15 @@ pub fn decay(elapsed_ms: f64, gap_ms: f64) -> f64 {
 /// Counts, not blocks: what each live group will still add is priced when a decision reads it
 /// ([`GroupGrowth::live_group_blocks`]). The sums are linear, so a proxy adds up its workers'
 /// (each decayed to the same instant).
-/// [`LiveGroups`] as of one instant ([`LiveGroups::at`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LiveGroups {
+    pub count: Vec<f64>,
+    /// The instant (ms, the router's clock) the counts are decayed to.
+    pub at_ms: f64,
+}
+
+/// [`LiveGroups`] as of one instant ([`LiveGroups::at`]; [`RecentRequests::counts_at`] too,
+/// whose counts are kept as a `LiveGroups`).
 #[derive(Debug, Clone, Copy)]
 pub struct LiveAt<'a> {
     count: &'a [f64],
@@ -1665,13 +1673,6 @@ impl LiveAt<'_> {
             .map_or(0.0, |v| v.max(0.0));
         v * self.keep
     }
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct LiveGroups {
-    pub count: Vec<f64>,
-    /// The instant (ms, the router's clock) the counts are decayed to.
-    pub at_ms: f64,
 }
 
 impl LiveGroups {

@@ -324,7 +324,7 @@ pub(crate) fn linker(module: &Module) -> wasmtime::Result<Linker<VmState>> {
 
 /// `env.log_execution(id)`, which binaryen's `wasm-opt --log-execution` calls at every
 /// function's entry and loop's head: the fuel left there, while a recording is on (see
-/// `examples/attribute.rs`). Not a proxy-wasm import; a module without it never calls it.
+/// `examples/profile.rs`). Not a proxy-wasm import; a module without it never calls it.
 fn define_execution_log(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
     l.func_wrap("env", "log_execution", |mut c: C<'_>, id: i32| {
         let fuel = c.get_fuel().unwrap_or(0);
