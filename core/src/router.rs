@@ -1052,7 +1052,14 @@ impl<S: PrefixStore> Router<S> {
             .map(|(s, _)| s.total)
             .fold(f64::NEG_INFINITY, f64::max);
         let tied: Vec<usize> = if self.config.policy == Policy::Latency {
-            latency_tied(scores, eligible, -best, self.tie_home)
+            {
+                let recent = self
+                    .fleet_recent
+                    .as_ref()
+                    .unwrap_or(&self.recent)
+                    .counts_at(self.now_ms);
+                latency_tied(scores, eligible, -best, self.tie_home, |e| recent.on(e))
+            }
         } else {
             (0..scores.len())
                 .filter(|&i| eligible[i] && scores[i].total == best)
@@ -1079,13 +1086,17 @@ impl<S: PrefixStore> Router<S> {
 /// by a few percent of noise).
 pub const TIE_SHARE: f64 = 0.02;
 pub const TIE_MS: f64 = 1.0;
+/// Endpoints whose recent request counts are within this many requests of the fewest are
+/// equally loaded for [`latency_tied`]: one request, the counts' own step.
+pub const TIE_REQUESTS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
 /// narrowed to where the request's group lives if it lives on one of them, else to its `home`
 /// if that is among them (`placement: consistent`), then to those with
 /// the fewest requests holding their lanes, then to those with the most free believed cache
 /// once the groups living there grow (a new prefix goes where it fits, as sglang-router's
-/// "smallest tree"; the growth counted as taken, as the room price counts it).
+/// "smallest tree"; the growth counted as taken, as the room price counts it), then to those
+/// sent the fewest requests lately (`recent`, within [`TIE_REQUESTS`]).
 ///
 /// Why holders before room: a prediction sees a queue only where every believed lane is
 /// taken, and the lane count is learned from queues the router has seen; until it has seen
@@ -1094,11 +1105,20 @@ pub const TIE_MS: f64 = 1.0;
 /// fewest holders is where a request surely finds a lane, whatever the lane count
 /// (measured in docs/benchmarks.md: nothing-shared traffic at 1 ms/token, TTFT p95 1.12x the
 /// bound's over 16 seeds, worst 1.73x, then 1.00x on every seed).
+///
+/// Why the recent requests last: once every cache is full (believed so) and no group living
+/// anywhere grows, the room ties too, and the rendezvous after it spreads requests as a
+/// random draw does: on the nothing-shared trace the busiest replica took 1.26x the mean
+/// request count at 0.1 ms/token (12 seeds), 1.10x with the counts, and a hot tenant's
+/// holders their copies' share unevenly (2.07x to 1.62x). Before the room, they overruled it
+/// where caches overflow and placement is what keeps histories: conversations that outgrow
+/// every cache fell from 87.9% to 84.9% of the bound's hit rate (docs/benchmarks.md).
 fn latency_tied(
     scores: &[EndpointScores],
     eligible: &[bool],
     best_cost: f64,
     home: Option<usize>,
+    recent: impl Fn(usize) -> f64,
 ) -> Vec<usize> {
     let tolerance = (best_cost.abs() * TIE_SHARE).max(TIE_MS);
     let mut tied: Vec<usize> = (0..scores.len())
@@ -1119,15 +1139,22 @@ fn latency_tied(
         let growing = scores[i].prediction.map_or(0.0, |p| p.growing_blocks);
         -scores[i].room.free_after(growing)
     });
+    keep_within(&mut tied, &recent, TIE_REQUESTS);
     tied
 }
 
 /// Narrows `tied` to those with the least `key`. A key that is not a number reads as zero: a
 /// comparison with NaN would empty the ties.
 fn keep_least(tied: &mut Vec<usize>, key: impl Fn(usize) -> f64) {
+    keep_within(tied, key, 0.0);
+}
+
+/// Narrows `tied` to those whose `key` is at most `slack` above the least (read as
+/// [`keep_least`] reads it).
+fn keep_within(tied: &mut Vec<usize>, key: impl Fn(usize) -> f64, slack: f64) {
     let key = |i: usize| Some(key(i)).filter(|k| k.is_finite()).unwrap_or(0.0);
     let least = tied.iter().map(|&i| key(i)).fold(f64::INFINITY, f64::min);
-    tied.retain(|&i| key(i) <= least);
+    tied.retain(|&i| key(i) <= least + slack);
 }
 
 /// Among tied endpoints, the one where `key` (a request's first block hash) hashes highest:
@@ -2392,6 +2419,11 @@ mod tests {
         }
     }
 
+    /// No requests sent anywhere lately.
+    fn none(_: usize) -> f64 {
+        0.0
+    }
+
     fn excluded(scores: &[EndpointScores]) -> Vec<bool> {
         scores.iter().map(|s| s.excluded).collect()
     }
@@ -2457,10 +2489,10 @@ mod tests {
         ];
         let eligible = [true; 3];
         // Within the prediction's precision of the best (99 ms), 0 and 1 tie; 0 is home.
-        assert_eq!(latency_tied(&scores, &eligible, 99.0, None), [0]);
+        assert_eq!(latency_tied(&scores, &eligible, 99.0, None, none), [0]);
         // Without a home among the ties, the fewest holders and the most free cache decide.
         let away = [seen(12, 100.0, false, true), seen(12, 99.0, false, true)];
-        assert_eq!(latency_tied(&away, &[true, true], 99.0, None), [0, 1]);
+        assert_eq!(latency_tied(&away, &[true, true], 99.0, None, none), [0, 1]);
     }
 
     #[test]
@@ -2479,10 +2511,10 @@ mod tests {
         // Every endpoint predicts no wait (many lanes believed): 0 has the most room but
         // three requests in flight, 1 and 2 one each; of those, 2 has more room.
         let scores = [with(3.0, 800), with(1.0, 300), with(1.0, 500)];
-        assert_eq!(latency_tied(&scores, &[true; 3], 100.0, None), [2]);
+        assert_eq!(latency_tied(&scores, &[true; 3], 100.0, None, none), [2]);
         // Equal holders: the room decides.
         let scores = [with(1.0, 800), with(1.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [0]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None, none), [0]);
         // ... the room left once the groups living there grow: 0's conversations are
         // expected to add 600 blocks, so 1 has more room to come.
         let mut growing = with(1.0, 800);
@@ -2490,13 +2522,55 @@ mod tests {
             p.growing_blocks = 600.0;
         }
         let scores = [growing, with(1.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [1]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None, none), [1]);
         // Numbers that are not numbers never empty the ties.
         let mut broken = with(f64::NAN, 800);
         if let Some(p) = broken.prediction.as_mut() {
             p.growing_blocks = f64::NAN;
         }
         let scores = [broken, with(0.0, 300)];
-        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None), [0]);
+        assert_eq!(latency_tied(&scores, &[true; 2], 100.0, None, none), [0]);
+    }
+
+    #[test]
+    fn a_tie_goes_where_fewer_requests_went_lately_once_lanes_and_room_are_equal() {
+        let with = |free: usize| {
+            let mut s = seen(0, 100.0, false, true);
+            s.room = CacheRoom {
+                capacity_blocks: 900,
+                believed_blocks: 900 - free,
+            };
+            s
+        };
+        // Three full caches: 0 took two requests more than 2 lately, 1 half a request more.
+        let full = [with(0), with(0), with(0)];
+        let recent = [6.0, 4.5, 4.0];
+        assert_eq!(
+            latency_tied(&full, &[true; 3], 100.0, None, |e| recent[e]),
+            [1, 2]
+        );
+        // The room comes first: 0 has room, whatever it took.
+        let roomy = [with(100), with(0), with(0)];
+        assert_eq!(
+            latency_tied(&roomy, &[true; 3], 100.0, None, |e| recent[e]),
+            [0]
+        );
+        // Holders before both: 0's lanes are free, the others' are not.
+        let mut busy = full.clone();
+        for s in &mut busy[1..] {
+            if let Some(p) = s.prediction.as_mut() {
+                p.backlog.holders = 1.0;
+            }
+        }
+        assert_eq!(
+            latency_tied(&busy, &[true; 3], 100.0, None, |e| recent[e]),
+            [0]
+        );
+        // A count that is not a number reads as none and never empties the ties.
+        let broken = [f64::NAN, 4.5, f64::INFINITY];
+        assert_eq!(
+            latency_tied(&full, &[true; 3], 100.0, None, |e| broken[e]),
+            [0, 2]
+        );
     }
 }
