@@ -1052,14 +1052,12 @@ impl<S: PrefixStore> Router<S> {
             .map(|(s, _)| s.total)
             .fold(f64::NEG_INFINITY, f64::max);
         let tied: Vec<usize> = if self.config.policy == Policy::Latency {
-            {
-                let recent = self
-                    .fleet_recent
-                    .as_ref()
-                    .unwrap_or(&self.recent)
-                    .counts_at(self.now_ms);
-                latency_tied(scores, eligible, -best, self.tie_home, |e| recent.on(e))
-            }
+            let recent = self
+                .fleet_recent
+                .as_ref()
+                .unwrap_or(&self.recent)
+                .counts_at(self.now_ms);
+            latency_tied(scores, eligible, -best, self.tie_home, |e| recent.on(e))
         } else {
             (0..scores.len())
                 .filter(|&i| eligible[i] && scores[i].total == best)
@@ -1087,7 +1085,7 @@ impl<S: PrefixStore> Router<S> {
 pub const TIE_SHARE: f64 = 0.02;
 pub const TIE_MS: f64 = 1.0;
 /// Endpoints whose recent request counts are within this many requests of the fewest are
-/// equally loaded for [`latency_tied`]: one request, the counts' own step.
+/// equally loaded when `latency` breaks a tie: one request, the counts' own step.
 pub const TIE_REQUESTS: f64 = 1.0;
 
 /// The `latency` policy's ties: eligible endpoints within [`TIE_SHARE`] of the best cost,
