@@ -779,7 +779,7 @@ impl<S: PrefixStore> Router<S> {
                         held,
                         per_holder,
                         [&self.recent, {
-                            let own = self.fleet_recent.as_ref().unwrap_or(&self.recent);
+                            let own = self.pooled_recent();
                             self.served
                                 .beyond(own, &filter.eligible, self.now_ms)
                                 .unwrap_or(own)
@@ -990,6 +990,12 @@ impl<S: PrefixStore> Router<S> {
         }
     }
 
+    /// The requests sent to each endpoint lately: every router's of the proxy when its caller
+    /// pools them ([`Router::set_fleet_recent`]), else this router's own.
+    fn pooled_recent(&self) -> &RecentRequests {
+        self.fleet_recent.as_ref().unwrap_or(&self.recent)
+    }
+
     /// Replaces the live-group counts, e.g. with the sum a proxy's workers share (copied into
     /// the router's own, which keeps its room: a proxy does this on every route).
     pub fn set_live_groups(&mut self, live: &LiveGroups) {
@@ -1052,11 +1058,7 @@ impl<S: PrefixStore> Router<S> {
             .map(|(s, _)| s.total)
             .fold(f64::NEG_INFINITY, f64::max);
         let tied: Vec<usize> = if self.config.policy == Policy::Latency {
-            let recent = self
-                .fleet_recent
-                .as_ref()
-                .unwrap_or(&self.recent)
-                .counts_at(self.now_ms);
+            let recent = self.pooled_recent().counts_at(self.now_ms);
             latency_tied(scores, eligible, -best, self.tie_home, |e| recent.on(e))
         } else {
             (0..scores.len())
