@@ -5,7 +5,7 @@
 //! index lookup ([`index`]) → predicted time to first token ([`latency`]) or scores
 //! ([`scorer`]) → pick → commit ([`router`]). [`metrics`] reads the servers' Prometheus pages,
 //! [`config`] the plugin's configuration, [`discovery`] the pool's members as Envoy's admin
-//! interface lists them.
+//! interface lists them, [`outlier`] which endpoints answer with server errors.
 //!
 //! Everything here is pure and deterministic: no threads, files, clocks or sockets, so the
 //! same code runs natively, in the proxy-wasm plugin and in the browser. Randomness comes from
@@ -21,6 +21,7 @@ pub mod index;
 pub mod latency;
 pub mod metrics;
 pub mod order;
+pub mod outlier;
 pub mod request;
 pub mod router;
 pub mod scorer;
