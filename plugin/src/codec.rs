@@ -10,12 +10,13 @@ use prefixroute_core::latency::{
     Calibration, EndpointWork, GroupGrowth, HoldTime, LaneFit, PrefillRate, SentTokens, LANE_MODELS,
 };
 use prefixroute_core::metrics::ServerMetrics;
+use prefixroute_core::outlier::OutlierState;
 use prefixroute_core::Turn;
 
 use crate::window::{DeadStamps, EPOCHS};
 
 /// Layout version of every value below.
-pub const LAYOUT: u8 = 9;
+pub const LAYOUT: u8 = 10;
 
 /// Appends little-endian fields.
 #[derive(Debug, Default)]
@@ -113,7 +114,8 @@ impl<'a> Reader<'a> {
 /// Layout: `layout u8 | flags u8 (1 = down) | failures u16 | clock u64 | window_start u64 |
 /// fill u64 | dead shift u8 | dead mask u16 | one u16 per set mask bit | capacity_tokens u64 |
 /// calibration f64 | next_scrape_ms u64 | scraped_at_ms u64 | last_cold u64 | truth_epoch u64 |
-/// metrics mask u16 | one f64 per set mask bit`. 81 to 177 bytes. Flags: 1 = down, 2 = precise.
+/// consecutive_5xx u16 | ejections u16 | ejected_until_ms u64 | metrics mask u16 | one f64 per
+/// set mask bit`. 93 to 189 bytes. Flags: 1 = down, 2 = precise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointState {
     /// Index insertion clock: how many block stamps were ever handed out for this endpoint.
@@ -150,6 +152,8 @@ pub struct EndpointState {
     /// The clock when the server's events last said it lost everything (a restart, a gap, a
     /// publisher back from silence): no stamp before it is held.
     pub truth_epoch: u64,
+    /// Its answers' server errors and ejections (core's `outlier`), every worker's.
+    pub outlier: OutlierState,
     /// The last successful scrape; `None` = none yet, or the page did not parse.
     pub metrics: Option<ServerMetrics>,
 }
@@ -173,6 +177,7 @@ impl Default for EndpointState {
             down: false,
             precise: false,
             truth_epoch: 0,
+            outlier: OutlierState::default(),
             metrics: None,
         }
     }
@@ -205,6 +210,9 @@ impl EndpointState {
         w.u64(self.scraped_at_ms);
         w.u64(self.last_cold);
         w.u64(self.truth_epoch);
+        w.u16(self.outlier.consecutive_5xx);
+        w.u16(self.outlier.ejections);
+        w.u64(self.outlier.ejected_until_ms);
         match &self.metrics {
             None => w.u16(0),
             Some(m) => {
@@ -249,6 +257,11 @@ impl EndpointState {
         let scraped_at_ms = r.u64()?;
         let last_cold = r.u64()?;
         let truth_epoch = r.u64()?;
+        let outlier = OutlierState {
+            consecutive_5xx: r.u16()?,
+            ejections: r.u16()?,
+            ejected_until_ms: r.u64()?,
+        };
         let mask = r.u16()?;
         let metrics = if mask & METRICS_PRESENT == 0 {
             None
@@ -284,6 +297,7 @@ impl EndpointState {
             down: flags & FLAG_DOWN != 0,
             precise: flags & FLAG_PRECISE != 0,
             truth_epoch,
+            outlier,
             metrics,
         })
     }
@@ -799,21 +813,26 @@ mod tests {
             down: true,
             precise: true,
             truth_epoch: 99,
+            outlier: OutlierState {
+                consecutive_5xx: 4,
+                ejections: 2,
+                ejected_until_ms: 61_000,
+            },
             metrics: None,
         };
-        assert_eq!(s.encode().len(), 81);
+        assert_eq!(s.encode().len(), 93);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.dead.shift = 5;
         s.dead.counts[3] = 9;
         s.dead.counts[15] = u16::MAX;
         assert_eq!(
             s.encode().len(),
-            81 + 2 * 2,
+            93 + 2 * 2,
             "only the epochs with dead positions"
         );
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         s.metrics = Some(full_metrics());
-        assert_eq!(s.encode().len(), 81 + 2 * 2 + 8 * 8);
+        assert_eq!(s.encode().len(), 93 + 2 * 2 + 8 * 8);
         assert_eq!(EndpointState::decode(&s.encode()), Some(s.clone()));
         // Measured but empty (no known series) stays distinct from "no scrape".
         s.metrics = Some(ServerMetrics::default());

@@ -13,12 +13,13 @@ use std::rc::Rc;
 
 use prefixroute_core::config::DEFAULT_DESTINATION_HEADER;
 use prefixroute_core::latency::whole_ms;
+use prefixroute_core::outlier::CONSECUTIVE_5XX;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::abi;
 use crate::fallback::FallbackReason;
-use crate::host::Metrics;
+use crate::host::{self, Metrics};
 use crate::root::{flush, SharedScheduler};
 use crate::scheduler::{Choice, Route};
 use crate::settings::is_routable;
@@ -236,6 +237,23 @@ impl HttpContext for Filter {
             .flatten()
             .and_then(|s| s.trim().parse::<u32>().ok());
         self.answered_ok = status.is_some_and(|s| (200..300).contains(&s));
+        if let (Some(status), Some(choice), Some(scheduler)) =
+            (status, self.choice.as_ref(), self.scheduler.as_ref())
+        {
+            if let Ok(mut e) = scheduler.try_borrow_mut() {
+                if let Some(for_ms) = e.answered(&choice.ticket, status, abi::now_ms()) {
+                    let endpoint = choice.ticket.endpoint;
+                    host::warn(&format!(
+                        "prefixroute: endpoint {} ({}) answered {CONSECUTIVE_5XX} server errors \
+                         in a row; out of rotation for {} s",
+                        e.name(endpoint),
+                        e.address(endpoint),
+                        for_ms / 1000
+                    ));
+                }
+                flush(&mut e, &self.metrics);
+            }
+        }
         if end_of_stream {
             self.first_byte();
         }

@@ -10,11 +10,12 @@ use prefixroute_core::hashing::{
     hash_chat_memo_into, hash_request_memo_into, BlockHashes, ChainMemo, HashConfig,
 };
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
+use prefixroute_core::outlier::{Answered, OutlierState};
 use prefixroute_core::request::read_chat;
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
-use crate::codec::{CalibrationRecord, FeedCursor, Membership};
+use crate::codec::{CalibrationRecord, EndpointState, FeedCursor, Membership};
 use crate::fallback::{self, FallbackReason};
 use crate::ledger::Ledger;
 use crate::scrape::{self, Claim, Transition};
@@ -141,6 +142,10 @@ pub struct Scheduler<H: SharedData> {
     tick_ms: u64,
     /// Per endpoint, the last scrape this worker saw.
     scrape_seen: Vec<SeenScrape>,
+    /// Per endpoint, whether its record showed server errors or ejections when this worker last
+    /// read it: only then does a good answer from it have anything to forget (see
+    /// [`Scheduler::answered`]).
+    outliers_seen: Vec<bool>,
 }
 
 /// The last scrape of one endpoint a worker saw.
@@ -151,6 +156,12 @@ struct SeenScrape {
     /// The router's requests in flight there when the worker first saw it (core's
     /// `ServerQueue::sent_then`).
     sent_then: u32,
+}
+
+/// Whether an endpoint gets no request now: its scrapes failed (`down`), or its answers
+/// ejected it (core's `outlier`).
+fn out_of_rotation(state: &EndpointState, now_ms: u64) -> bool {
+    state.down || state.outlier.ejected(now_ms)
 }
 
 impl<H: SharedData> Scheduler<H> {
@@ -186,6 +197,7 @@ impl<H: SharedData> Scheduler<H> {
             events: Vec::new(),
             last_cold: Vec::new(),
             scrape_seen: Vec::new(),
+            outliers_seen: Vec::new(),
             hashes: BlockHashes::default(),
             tick_ms: tick,
             pool: Pool {
@@ -404,7 +416,9 @@ impl<H: SharedData> Scheduler<H> {
         self.router.set_fleet_recent(&pooled.recent);
         let stale_after = self.config.scrape.stale_after_ms;
         self.scrape_seen.resize(endpoints, SeenScrape::default());
+        self.outliers_seen.resize(endpoints, false);
         let seen = &mut self.scrape_seen;
+        let outliers_seen = &mut self.outliers_seen;
         let mut refused = 0;
         let loads = (0..endpoints)
             .map(|e| {
@@ -429,13 +443,14 @@ impl<H: SharedData> Scheduler<H> {
                             };
                             served = state.metrics.as_ref().and_then(|m| m.request_success_total);
                         }
+                        outliers_seen[e] = state.outlier != OutlierState::default();
                         (
                             scaled_capacity(capacity, state.calibration),
                             estimate_load(
                                 metrics,
                                 work,
                                 Some(seen.sent_then),
-                                state.down || !self.pool.members[e].routable,
+                                out_of_rotation(state, now_ms) || !self.pool.members[e].routable,
                             ),
                             served.map(|total| (total, state.scraped_at_ms)),
                         )
@@ -464,7 +479,7 @@ impl<H: SharedData> Scheduler<H> {
                     || self
                         .router
                         .store()
-                        .with_endpoint_state(e, |state| state.down)
+                        .with_endpoint_state(e, |state| out_of_rotation(state, now_ms))
             })
             .collect();
         let errors = self.router.store_mut().end_request();
@@ -573,6 +588,48 @@ impl<H: SharedData> Scheduler<H> {
     }
 
     /// Counts what went wrong in a read-modify-write and returns its written value.
+    /// The answer to a steered request came with HTTP `status`: server errors count towards
+    /// taking its endpoint out of rotation for a while (core's [`outlier`]), and a good answer
+    /// forgets them. Written to the endpoint's record only when that changes something, so a
+    /// healthy endpoint's answers cost no shared-data call.
+    ///
+    /// [`outlier`]: prefixroute_core::outlier
+    /// Returns how long the endpoint is out of rotation if this answer took it out.
+    pub fn answered(&mut self, ticket: &Ticket, status: u32, now_ms: u64) -> Option<u64> {
+        // No endpoint, or it left the pool.
+        let e = self.ledger.index_of(ticket.endpoint_id)?;
+        if status < 500 && !self.outliers_seen.get(e).copied().unwrap_or(false) {
+            return None;
+        }
+        let (mut answered, mut after) = (Answered::Unchanged, None);
+        let outcome = cas_update(
+            self.host(),
+            &self.keys[e],
+            EndpointState::decode,
+            EndpointState::encode,
+            |mut state| {
+                answered = state.outlier.answered(status, now_ms);
+                after = Some(state.outlier);
+                (answered != Answered::Unchanged).then_some(state)
+            },
+        );
+        let written = self.settle(outcome).is_some();
+        if let (Some(seen), Some(after)) = (self.outliers_seen.get_mut(e), after) {
+            *seen = after != OutlierState::default();
+        }
+        let Answered::Ejected { until_ms } = answered else {
+            return None;
+        };
+        let for_ms = until_ms.saturating_sub(now_ms);
+        written.then(|| {
+            self.events.push(Event::EndpointEjected {
+                endpoint: e,
+                for_ms,
+            });
+            for_ms
+        })
+    }
+
     fn settle<T>(&mut self, outcome: CasOutcome<T>) -> Option<T> {
         let mut errors = SharedDataErrors::default();
         let written = errors.settle(outcome);

@@ -46,6 +46,11 @@ pub enum Event {
     },
     EndpointDown(usize),
     EndpointUp(usize),
+    /// Its answers' server errors took the endpoint out of rotation for `for_ms`.
+    EndpointEjected {
+        endpoint: usize,
+        for_ms: u64,
+    },
     /// The endpoint restarted; its index entries were aged out.
     IndexForgotten(usize),
     /// A scrape succeeded without saying how large the endpoint's cache is: its belief stays
@@ -425,6 +430,7 @@ pub fn updates(event: &Event, mut emit: impl FnMut(Update)) {
         }
         Event::EndpointDown(_) => count("endpoint_down", 1),
         Event::EndpointUp(_) => count("endpoint_up", 1),
+        Event::EndpointEjected { .. } => count("endpoint_ejected", 1),
         Event::IndexForgotten(_) => count("index_forgotten", 1),
         Event::CapacityUnreported(_) => count("scrape.no_capacity", 1),
         Event::HashMemo { hits, misses } => {

@@ -11,5 +11,6 @@ mod destination;
 mod differential;
 mod discovery;
 mod lifecycle;
+mod outlier;
 mod scrape;
 mod workers;
