@@ -381,7 +381,11 @@ pub fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf> {
 /// `--plugin`, then `$PREFIXROUTE_PLUGIN`, then the `wasm` profile build in the target directory.
 pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = explicit {
-        anyhow::ensure!(path.is_file(), "--plugin {}: no such file", path.display());
+        anyhow::ensure!(
+            path.is_file(),
+            "--plugin-wasm {}: no such file",
+            path.display()
+        );
         return Ok(path.to_path_buf());
     }
     let relative = "wasm32-wasip1/wasm/prefixroute_plugin.wasm";
@@ -399,7 +403,7 @@ pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
         .flatten()
         .find(|p| p.is_file())
         .context(
-            "plugin not found: pass --plugin PATH or build it with `plugin/build.sh` \
+            "plugin not found: pass --plugin-wasm PATH or build it with `plugin/build.sh` \
          (cargo's wasm profile, then wasm-opt)",
         )
 }

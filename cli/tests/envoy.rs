@@ -207,6 +207,41 @@ fn a_killed_replica_gets_no_traffic_once_its_failures_are_seen() {
 
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn a_replica_whose_engine_died_is_out_of_rotation_after_five_server_errors() {
+    // Its HTTP server and /metrics live on and say idle: only its answers tell.
+    let healthy = fleet(2);
+    let dead = FakeServer::start("replica-2", &["--fail-status", "503"]);
+    let envoy = serve(&[&healthy[0], &healthy[1], &dead], &FAST_SCRAPES);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut failed = 0;
+    for t in 0..60 {
+        // Every request a new tenant: each is placed afresh, so the dead replica's turn comes.
+        let reply = http(
+            envoy.port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat(t, 0)),
+        );
+        match reply.status {
+            200 => assert_ne!(reply.header("x-served-by"), Some("replica-2")),
+            503 => failed += 1,
+            other => panic!("request {t}: status {other}"),
+        }
+    }
+    // The two workers share the count, so five errors eject it whichever worker saw them; the
+    // other worker may still route on its copy of the record for up to 5 ms (`CARRY_MS`).
+    // Without the ejection a third of the 60 new tenants would fail.
+    assert!((5..=8).contains(&failed), "{failed} server errors");
+    let stats = http(envoy.admin, "GET", "/stats?filter=endpoint_ejected", None);
+    assert!(
+        stats.body.contains("prefixroute.endpoint_ejected: 1"),
+        "{}",
+        stats.body
+    );
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn malformed_bodies_are_routed_not_failed_by_the_plugin() {
     let replicas = fleet(2);
     let refs: Vec<&FakeServer> = replicas.iter().collect();

@@ -75,12 +75,24 @@ pub struct Args {
     /// as vLLM does with `endpoint: tcp://RELAY:PORT`.
     #[arg(long, value_name = "tcp://HOST:PORT")]
     kv_events_to: Option<String>,
+    /// Answer every completion with this HTTP status (500–599) at once, as a server whose
+    /// engine died while its HTTP server lives: `/metrics` keeps answering (and says idle).
+    /// For testing what a router does with such a replica.
+    #[arg(long, value_name = "STATUS", value_parser = server_error)]
+    fail_status: Option<u16>,
 }
 
 fn positive(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err("must be a whole number >= 1".into()),
+    }
+}
+
+fn server_error(s: &str) -> Result<u16, String> {
+    match s.parse::<u16>() {
+        Ok(status) if (500..=599).contains(&status) => Ok(status),
+        _ => Err("must be an HTTP server error status, 500 to 599".into()),
     }
 }
 
@@ -146,7 +158,12 @@ async fn serve(args: Args) -> Result<()> {
         Some((tx, bound)) => (Some(tx), Some(bound)),
         None => (None, None),
     };
-    let server = Arc::new(Server::new(args.name.clone(), config, events)?);
+    let mut server = Server::new(args.name.clone(), config, events)?;
+    if let Some(status) = args.fail_status {
+        let status = hyper::StatusCode::from_u16(status).context("--fail-status")?;
+        server = server.failing_with(status);
+    }
+    let server = Arc::new(server);
     eprintln!("fake-server {} listening on http://{addr}", args.name);
     if let Some(bound) = bound {
         eprintln!("fake-server {} publishing KV events on {bound}", args.name);

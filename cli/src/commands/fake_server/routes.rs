@@ -39,6 +39,8 @@ pub struct Server {
     name: String,
     served_by: HeaderValue,
     next_id: AtomicU64,
+    /// `--fail-status`: every completion is answered with this status at once.
+    fail_status: Option<StatusCode>,
 }
 
 impl Server {
@@ -57,7 +59,15 @@ impl Server {
             name,
             served_by,
             next_id: AtomicU64::new(0),
+            fail_status: None,
         })
+    }
+
+    /// Answers every completion with `status` at once, as a server whose engine died while its
+    /// HTTP server and `/metrics` live on (the metrics then say idle).
+    pub fn failing_with(mut self, status: StatusCode) -> Server {
+        self.fail_status = Some(status);
+        self
     }
 
     fn reply(&self, api: Api) -> Reply {
@@ -275,10 +285,18 @@ fn check_lengths(prompt_tokens: &[usize], output_tokens: usize) -> Result<(), Ap
 }
 
 async fn generate(server: &Arc<Server>, request: Request<Incoming>, api: Api) -> Response<Body> {
-    let plan = match read_body(request)
-        .await
-        .and_then(|body| Plan::parse(api, &body, &server.replica))
-    {
+    let body = read_body(request).await;
+    if let (Some(status), Ok(_)) = (server.fail_status, &body) {
+        let message = "the engine is not running (fake-server --fail-status)".to_string();
+        let kind = "server_error";
+        return ApiError {
+            status,
+            kind,
+            message,
+        }
+        .response();
+    }
+    let plan = match body.and_then(|body| Plan::parse(api, &body, &server.replica)) {
         Ok(plan) => plan,
         Err(err) => return err.response(),
     };
