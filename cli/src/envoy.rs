@@ -95,6 +95,9 @@ fn access_log(path: &Path) -> Value {
 }
 
 pub const POOL_CLUSTER: &str = "prefixroute_pool";
+/// Server errors the route retries on the next replica: an engine that failed (500), a proxy or
+/// server in front of it that could not reach it (502, 504), one that is not ready (503).
+const RETRIED_STATUSES: [u16; 4] = [500, 502, 503, 504];
 /// Retries in flight the pool cluster allows (Envoy Gateway's default; Istio allows more).
 const MAX_PARALLEL_RETRIES: u32 = 1024;
 /// The loopback-only cluster the plugin's discovery callouts reach Envoy's admin through.
@@ -111,13 +114,16 @@ pub fn discovery(interval_ms: u64) -> DiscoveryConfig {
     }
 }
 
-/// Retries of requests the chosen replica refused or reset before answering: the plugin's
-/// destination header lists the next best replicas after the chosen one and override_host
-/// walks that list, one host per attempt. A response that has started (status line sent,
-/// a stream begun) is never retried: Envoy has already forwarded it.
+/// Retries of requests the chosen replica refused, reset or answered with a server error: the
+/// plugin's destination header lists the next best replicas after the chosen one and
+/// override_host walks that list, one host per attempt. A response that has started (a
+/// stream begun) is never retried: Envoy has already forwarded it. The virtual host tells the
+/// plugin how many tries a response took (`include_attempt_count_in_response`), so that the
+/// tries retried away still count against their replicas (core's `outlier`).
 fn retry_policy(failover: usize) -> Value {
     json!({
-        "retry_on": "connect-failure,refused-stream,reset",
+        "retry_on": "connect-failure,refused-stream,reset,retriable-status-codes",
+        "retriable_status_codes": RETRIED_STATUSES,
         "num_retries": failover.max(1),
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
     })
@@ -278,6 +284,7 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
         "route_config": {"virtual_hosts": [{
             "name": "llm",
             "domains": ["*"],
+            "include_attempt_count_in_response": true,
             "routes": [{"match": {"prefix": "/"}, "route": {
                 "cluster": POOL_CLUSTER,
                 "timeout": "300s",
@@ -619,10 +626,17 @@ mod tests {
         assert_eq!(route["retry_policy"]["num_retries"], 2);
         let breakers = &cluster(&b, POOL_CLUSTER)["circuit_breakers"]["thresholds"][0];
         assert_eq!(breakers["max_retries"], 1024, "not Envoy's default of 3");
-        assert!(route["retry_policy"]["retry_on"]
-            .as_str()
-            .unwrap()
-            .contains("connect-failure"));
+        let retry_on = route["retry_policy"]["retry_on"].as_str().unwrap();
+        assert!(
+            retry_on.contains("connect-failure") && retry_on.contains("retriable-status-codes")
+        );
+        assert_eq!(
+            route["retry_policy"]["retriable_status_codes"],
+            json!([500, 502, 503, 504])
+        );
+        let host = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            ["typed_config"]["route_config"]["virtual_hosts"][0];
+        assert_eq!(host["include_attempt_count_in_response"], true);
     }
 
     #[test]

@@ -360,9 +360,19 @@ fn each_variant_reaches_its_own_admin_interface_on_loopback_and_retries_on_the_f
     assert_eq!(route["match"]["context"], "GATEWAY");
     let retry = &route["patch"]["value"]["route"]["retry_policy"];
     assert_eq!(retry["num_retries"], failover);
-    for trigger in ["connect-failure", "reset"] {
+    for trigger in ["connect-failure", "reset", "retriable-status-codes"] {
         assert!(retry["retry_on"].as_str().unwrap().contains(trigger));
     }
+    assert_eq!(retry["retriable_status_codes"], json!([500, 502, 503, 504]));
+    // Retried tries count against their replicas only if responses say how many there were.
+    let vhost = patches
+        .iter()
+        .find(|p| p["applyTo"] == "VIRTUAL_HOST")
+        .expect("Istio: the attempt count on responses");
+    assert_eq!(
+        vhost["patch"]["value"]["include_attempt_count_in_response"],
+        true
+    );
     let btp = find(
         "envoy-gateway",
         "BackendTrafficPolicy",

@@ -237,20 +237,28 @@ impl HttpContext for Filter {
             .flatten()
             .and_then(|s| s.trim().parse::<u32>().ok());
         self.answered_ok = status.is_some_and(|s| (200..300).contains(&s));
+        // Set by Envoy's router when the virtual host has `include_attempt_count_in_response`.
+        let attempts = self.choice.as_ref().map_or(1, |_| {
+            abi::get_header_string(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
+                .ok()
+                .flatten()
+                .and_then(|a| a.trim().parse::<u32>().ok())
+                .unwrap_or(1)
+        });
         if let (Some(status), Some(choice), Some(scheduler)) =
             (status, self.choice.as_ref(), self.scheduler.as_ref())
         {
             if let Ok(mut e) = scheduler.try_borrow_mut() {
-                if let Some(for_ms) = e.answered(&choice.ticket, status, abi::now_ms()) {
-                    let endpoint = choice.ticket.endpoint;
+                let now = abi::now_ms();
+                e.answered(choice, attempts, status, now, |e, endpoint, for_ms| {
                     host::warn(&format!(
-                        "prefixroute: endpoint {} ({}) answered {CONSECUTIVE_5XX} server errors \
-                         in a row; out of rotation for {} s",
+                        "prefixroute: endpoint {} ({}) failed {CONSECUTIVE_5XX} requests in a \
+                         row; out of rotation for {} s",
                         e.name(endpoint),
                         e.address(endpoint),
                         for_ms / 1000
                     ));
-                }
+                });
                 flush(&mut e, &self.metrics);
             }
         }
@@ -271,8 +279,10 @@ impl HttpContext for Filter {
                 self.count(Event::HeaderError);
             }
         };
-        // No name: the pool was empty (none discovered yet) and Envoy's fallback_policy chose.
-        let name = e.name(choice.endpoint);
+        // The endpoint that answered: the chosen one, or the one Envoy's retries reached. No
+        // name: the pool was empty (none discovered yet) or the retries went past the list, and
+        // Envoy's fallback_policy chose.
+        let name = choice.answered_by(attempts).map_or("", |a| e.name(a));
         if !name.is_empty() {
             put("x-prefixroute-endpoint", name);
         }

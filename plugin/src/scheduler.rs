@@ -82,6 +82,17 @@ pub struct Choice {
     pub ticket: Ticket,
 }
 
+impl Choice {
+    /// The endpoint that answered after `attempts` tries: the chosen one, or the one of the
+    /// failover list Envoy's retries reached; `None` past the list.
+    pub fn answered_by(&self, attempts: u32) -> Option<usize> {
+        let tries = attempts.max(1) as usize;
+        std::iter::once(self.endpoint)
+            .chain(self.failover.iter().copied())
+            .nth(tries - 1)
+    }
+}
+
 /// A discovered membership as this instance last applied it.
 #[derive(Debug, Clone, Default)]
 struct Pool {
@@ -157,6 +168,10 @@ struct SeenScrape {
     /// `ServerQueue::sent_then`).
     sent_then: u32,
 }
+
+/// What a try that Envoy retried counts as: a server error (it refused the connection, reset
+/// the stream or answered 5xx; which one, the filter does not see).
+const FAILED_TRY: u32 = 503;
 
 /// Whether an endpoint gets no request now: its scrapes failed (`down`), or its answers
 /// ejected it (core's `outlier`).
@@ -587,18 +602,45 @@ impl<H: SharedData> Scheduler<H> {
         }
     }
 
-    /// Counts what went wrong in a read-modify-write and returns its written value.
-    /// The answer to a steered request came with HTTP `status`: server errors count towards
-    /// taking its endpoint out of rotation for a while (core's [`outlier`]), and a good answer
-    /// forgets them. Written to the endpoint's record only when that changes something, so a
-    /// healthy endpoint's answers cost no shared-data call.
+    /// The answer to a steered request came with HTTP `status` after `attempts` tries (Envoy's
+    /// `x-envoy-attempt-count`; the route retries refused connections, resets and server
+    /// errors on the next endpoints of the destination header): the endpoints of the tries
+    /// before the last failed, and the last one answered `status`. Server errors count towards
+    /// taking an endpoint out of rotation for a while (core's [`outlier`]), a good answer
+    /// forgets them; `ejected` hears of each endpoint this took out, and for how long (ms).
+    /// An endpoint's record is written only when that changes something, so a healthy
+    /// endpoint's answers cost no shared-data call.
     ///
     /// [`outlier`]: prefixroute_core::outlier
-    /// Returns how long the endpoint is out of rotation if this answer took it out.
-    pub fn answered(&mut self, ticket: &Ticket, status: u32, now_ms: u64) -> Option<u64> {
+    pub fn answered(
+        &mut self,
+        choice: &Choice,
+        attempts: u32,
+        status: u32,
+        now_ms: u64,
+        mut ejected: impl FnMut(&Self, usize, u64),
+    ) {
         // No endpoint, or it left the pool.
-        let e = self.ledger.index_of(ticket.endpoint_id)?;
-        if status < 500 && !self.outliers_seen.get(e).copied().unwrap_or(false) {
+        let Some(chosen) = self.ledger.index_of(choice.ticket.endpoint_id) else {
+            return;
+        };
+        let tries = attempts.max(1) as usize;
+        let tried = std::iter::once(chosen).chain(choice.failover.iter().copied());
+        for (k, e) in tried.take(tries).enumerate() {
+            // A try Envoy retried failed before answering, or answered a server error.
+            let status = if k + 1 < tries { FAILED_TRY } else { status };
+            if let Some(for_ms) = self.answer_from(e, status, now_ms) {
+                ejected(self, e, for_ms);
+            }
+        }
+    }
+
+    /// [`Scheduler::answered`] for one endpoint: how long it is out of rotation if this
+    /// answer took it out.
+    fn answer_from(&mut self, e: usize, status: u32, now_ms: u64) -> Option<u64> {
+        if e >= self.endpoints()
+            || status < 500 && !self.outliers_seen.get(e).copied().unwrap_or(false)
+        {
             return None;
         }
         let (mut answered, mut after) = (Answered::Unchanged, None);
@@ -630,6 +672,7 @@ impl<H: SharedData> Scheduler<H> {
         })
     }
 
+    /// Counts what went wrong in a read-modify-write and returns its written value.
     fn settle<T>(&mut self, outcome: CasOutcome<T>) -> Option<T> {
         let mut errors = SharedDataErrors::default();
         let written = errors.settle(outcome);
@@ -1411,6 +1454,24 @@ mod tests {
         // Streaming requests route normally.
         let c = e.route(br#"{"model":"m","prompt":"hi there","stream":true}"#, 0);
         assert!(matches!(c.route, Route::Routed { .. }));
+    }
+
+    #[test]
+    fn a_retried_request_was_answered_by_the_failover_endpoint_its_tries_reached() {
+        let mut e = Scheduler::new(MemShared::new(), config(3, Policy::RoundRobin));
+        let choice = e.route(&chat("You are a helpful assistant.", "hi"), 0);
+        let listed: Vec<usize> = std::iter::once(choice.endpoint)
+            .chain(choice.failover.iter().copied())
+            .collect();
+        assert_eq!(listed.len(), 3);
+        assert_eq!(choice.answered_by(0), Some(listed[0]), "no count: one try");
+        assert_eq!(choice.answered_by(1), Some(listed[0]));
+        assert_eq!(choice.answered_by(3), Some(listed[2]));
+        assert_eq!(
+            choice.answered_by(4),
+            None,
+            "past the list: Envoy's fallback chose"
+        );
     }
 
     #[test]

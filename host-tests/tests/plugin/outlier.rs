@@ -1,7 +1,7 @@
 //! Endpoints whose answers are server errors leave the rotation for a while (core's `outlier`),
 //! whatever their scrapes say.
 
-use host_tests::{CalloutReply, Request, Vm};
+use host_tests::{CalloutReply, Headers, Request, Vm};
 use serde_json::json;
 
 use crate::common::{self, chat_body, config, destination, endpoint_of, page, tenant_prompt};
@@ -54,7 +54,7 @@ fn an_endpoint_that_answers_five_server_errors_in_a_row_gets_nothing_for_thirty_
         vm.capture()
             .logs_containing(
                 host_tests::LogLevel::Warn,
-                "answered 5 server errors in a row; out of rotation for 30 s"
+                "failed 5 requests in a row; out of rotation for 30 s"
             )
             .len(),
         1
@@ -93,4 +93,34 @@ fn when_every_endpoint_answers_server_errors_requests_still_get_a_destination() 
     let hits = spread(&mut vm, &host, 3, (0, 60), |_| 502);
     assert_eq!(hits.iter().sum::<usize>(), 60);
     assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 3);
+}
+
+#[test]
+fn tries_that_envoy_retried_away_count_against_their_endpoint() {
+    let host = common::host();
+    let mut vm = idle_fleet(&host);
+    // Endpoint 2 fails every try it gets; Envoy's route retries on the next endpoint of the
+    // destination header, which answers, and says so in `x-envoy-attempt-count`. The client
+    // sees only successes; the plugin still takes endpoint 2 out after five.
+    let mut first_tries = vec![0; 3];
+    for t in 0..90 {
+        let x = vm
+            .send(&Request::chat(chat_body(&tenant_prompt(t), "hello")))
+            .unwrap();
+        let listed: Vec<usize> = common::destinations(&x)
+            .iter()
+            .map(|a| endpoint_of(a))
+            .collect();
+        first_tries[listed[0]] += 1;
+        let attempts = if listed[0] == 2 { 2 } else { 1 };
+        let mut h = Headers::new();
+        h.add(":status", b"200");
+        h.add("x-envoy-attempt-count", attempts.to_string().as_bytes());
+        vm.response_headers(x.id, h, false).unwrap();
+        vm.response_body(x.id, b"{}", true).unwrap();
+        vm.finish(x.id).unwrap();
+        host.clock().advance_ms(10);
+    }
+    assert_eq!(first_tries[2], 5, "{first_tries:?}");
+    assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 1);
 }
