@@ -385,7 +385,7 @@ def our_router_flags(env, lanes):
 
 
 class FakeReplica:
-    def __init__(self, env, name, kv_blocks, lanes, overhead_ms, per_token_ms, tag):
+    def __init__(self, env, name, kv_blocks, lanes, overhead_ms, per_token_ms, tag, extra=()):
         self.name = name
         self.lanes = lanes
         log_path = env.log_path(f"{tag}-{name}")
@@ -393,7 +393,7 @@ class FakeReplica:
             [env.prefixroute, "fake-server", "--port", "0", "--name", name,
              "--kv-blocks", kv_blocks, "--block-size", BLOCK_SIZE, "--lanes", lanes,
              "--prefill-overhead-ms", overhead_ms, "--prefill-ms-per-token", per_token_ms,
-             "--decode-ms-per-token", env.decode_ms],
+             "--decode-ms-per-token", env.decode_ms, *extra],
             log_path, stderr_pipe=True)
         self.url = None
         lines = []
