@@ -737,7 +737,7 @@ impl<H: SharedData> Scheduler<H> {
                     self.config.index_capacity_blocks,
                 ) as u64,
                 prefill_ns_per_token: (rates[e] * 1e6).round() as u64,
-                down: state.down,
+                down: out_of_rotation(&state, now_ms),
                 precise: self.config.index == IndexMode::Precise && state.precise,
             });
         }

@@ -59,12 +59,18 @@ fn an_endpoint_that_answers_five_server_errors_in_a_row_gets_nothing_for_thirty_
             .len(),
         1
     );
-    // Its scrapes still say idle: the scrape does not bring it back.
+    // Its scrapes still say idle: the scrape does not bring it back. Its gauge says it is out.
     common::tick_and_answer(&mut vm, |_| CalloutReply::ok(page(0.0, 0.0, 0.0)));
+    let down = |host: &host_tests::Host| {
+        let gauge = format!("prefixroute.endpoint.{}.down", common::name(2));
+        host.stats().value(&gauge)
+    };
+    assert_eq!(down(&host), 1);
     assert_eq!(spread(&mut vm, &host, 3, (90, 30), dead)[2], 0);
     // Thirty seconds after the ejection it is back, and answers well now.
     host.clock().advance_ms(30_000);
     common::tick_and_answer(&mut vm, |_| CalloutReply::ok(page(0.0, 0.0, 0.0)));
+    assert_eq!(down(&host), 0);
     let back = spread(&mut vm, &host, 3, (120, 30), |_| 200);
     assert!(back[2] >= 5, "back in rotation: {back:?}");
 }
