@@ -625,7 +625,14 @@ impl<H: SharedData> Scheduler<H> {
             return;
         };
         let tries = attempts.max(1) as usize;
-        let tried = std::iter::once(chosen).chain(choice.failover.iter().copied());
+        // The failover list is by index: if the pool changed since, only the chosen endpoint
+        // (known by its id) is certain.
+        let failover = if chosen == choice.endpoint {
+            &choice.failover[..]
+        } else {
+            &[]
+        };
+        let tried = std::iter::once(chosen).chain(failover.iter().copied());
         for (k, e) in tried.take(tries).enumerate() {
             // A try Envoy retried failed before answering, or answered a server error.
             let status = if k + 1 < tries { FAILED_TRY } else { status };
