@@ -88,13 +88,6 @@ impl OutlierState {
             until_ms: self.ejected_until_ms,
         }
     }
-
-    /// Whether an answer with `status` would change anything, so that the common case (a
-    /// success from a healthy endpoint) needs no write.
-    pub fn changed_by(&self, status: u32, now_ms: u64) -> bool {
-        let mut copy = *self;
-        copy.answered(status, now_ms) != Answered::Unchanged
-    }
 }
 
 #[cfg(test)]
@@ -158,8 +151,7 @@ mod tests {
     }
 
     #[test]
-    fn errors_that_arrive_while_ejected_count_for_nothing_and_a_success_after_forgets_the_ejections(
-    ) {
+    fn errors_while_ejected_count_for_nothing_and_a_success_after_forgets_ejections() {
         let mut s = OutlierState::default();
         errors(&mut s, CONSECUTIVE_5XX, 0);
         assert!(errors(&mut s, 20, 10_000)
@@ -175,16 +167,5 @@ mod tests {
         assert_eq!(s.ejections, 0);
         let again = errors(&mut s, CONSECUTIVE_5XX, 40_000);
         assert_eq!(again.last(), Some(&Answered::Ejected { until_ms: 70_000 }));
-    }
-
-    #[test]
-    fn changed_by_says_whether_a_write_is_needed_without_changing_the_state() {
-        let mut s = OutlierState::default();
-        assert!(!s.changed_by(200, 0));
-        assert!(s.changed_by(502, 0));
-        s.answered(502, 0);
-        let before = s;
-        assert!(s.changed_by(200, 0));
-        assert_eq!(s, before);
     }
 }
