@@ -385,7 +385,7 @@ pub fn find_envoy(explicit: Option<&Path>) -> Result<PathBuf> {
         )
 }
 
-/// `--plugin`, then `$PREFIXROUTE_PLUGIN`, then the `wasm` profile build in the target directory.
+/// `--plugin-wasm`, then `$PREFIXROUTE_PLUGIN`, then the `wasm` profile build in the target directory.
 pub fn find_plugin(explicit: Option<&Path>) -> Result<PathBuf> {
     if let Some(path) = explicit {
         anyhow::ensure!(

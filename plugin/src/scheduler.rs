@@ -627,13 +627,9 @@ impl<H: SharedData> Scheduler<H> {
         let tries = attempts.max(1) as usize;
         // The failover list is by index: if the pool changed since, only the chosen endpoint
         // (known by its id) is certain.
-        let failover = if chosen == choice.endpoint {
-            &choice.failover[..]
-        } else {
-            &[]
-        };
-        let tried = std::iter::once(chosen).chain(failover.iter().copied());
-        for (k, e) in tried.take(tries).enumerate() {
+        let listed = if chosen == choice.endpoint { tries } else { 1 };
+        let tried = std::iter::once(chosen).chain(choice.failover.iter().copied());
+        for (k, e) in tried.take(listed).enumerate() {
             // A try Envoy retried failed before answering, or answered a server error.
             let status = if k + 1 < tries { FAILED_TRY } else { status };
             if let Some(for_ms) = self.answer_from(e, status, now_ms) {

@@ -79,7 +79,7 @@ pub struct Args {
     /// engine died while its HTTP server lives: `/metrics` keeps answering (and says idle).
     /// For testing what a router does with such a replica.
     #[arg(long, value_name = "STATUS", value_parser = server_error)]
-    fail_status: Option<u16>,
+    fail_status: Option<hyper::StatusCode>,
 }
 
 fn positive(s: &str) -> Result<usize, String> {
@@ -89,9 +89,9 @@ fn positive(s: &str) -> Result<usize, String> {
     }
 }
 
-fn server_error(s: &str) -> Result<u16, String> {
-    match s.parse::<u16>() {
-        Ok(status) if (500..=599).contains(&status) => Ok(status),
+fn server_error(s: &str) -> Result<hyper::StatusCode, String> {
+    match s.parse::<u16>().map(hyper::StatusCode::from_u16) {
+        Ok(Ok(status)) if status.is_server_error() => Ok(status),
         _ => Err("must be an HTTP server error status, 500 to 599".into()),
     }
 }
@@ -160,7 +160,6 @@ async fn serve(args: Args) -> Result<()> {
     };
     let mut server = Server::new(args.name.clone(), config, events)?;
     if let Some(status) = args.fail_status {
-        let status = hyper::StatusCode::from_u16(status).context("--fail-status")?;
         server = server.failing_with(status);
     }
     let server = Arc::new(server);
