@@ -236,7 +236,6 @@ impl HttpContext for Filter {
             .ok()
             .flatten()
             .and_then(|s| s.trim().parse::<u32>().ok());
-        self.answered_ok = status.is_some_and(|s| (200..300).contains(&s));
         // Set by Envoy's router when the virtual host has `include_attempt_count_in_response`.
         let attempts = self.choice.as_ref().map_or(1, |_| {
             abi::get_header_string(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
@@ -245,6 +244,9 @@ impl HttpContext for Filter {
                 .and_then(|a| a.trim().parse::<u32>().ok())
                 .unwrap_or(1)
         });
+        // The chosen endpoint's answer, the only one whose times teach its prefill rate and
+        // decode hold: after a retry another replica answered, and Envoy's back-off waited.
+        self.answered_ok = attempts <= 1 && status.is_some_and(|s| (200..300).contains(&s));
         if let (Some(status), Some(choice), Some(scheduler)) =
             (status, self.choice.as_ref(), self.scheduler.as_ref())
         {

@@ -129,4 +129,10 @@ fn tries_that_envoy_retried_away_count_against_their_endpoint() {
     }
     assert_eq!(first_tries[2], 5, "{first_tries:?}");
     assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 1);
+    // What endpoint 0 or 1 answered after a retry teaches nothing of endpoint 2's rate.
+    let observed = host.stats().value("prefixroute.latency.observations")
+        + host
+            .stats()
+            .value("prefixroute.latency.observations_refused");
+    assert_eq!(observed, 85);
 }
