@@ -13,6 +13,9 @@ worst) TTFT p95 over the upper bound's and share of the bound's hit rate:
     scale-in   two of six replicas go away 8 s in (down:1@8 down:2@8)
     restart    one restarts in place 8 s in (restart:0@8; believed until the next scrape)
     scale-out  two join 8 s in (down:4@0 down:5@0 up:4@8 up:5@8)
+    failure    one's engine dies 8 s in, its pod and scrapes live on (fail:0@8): every try it
+               gets is a 503 that Envoy retries on the failover list, until the gateway takes
+               it out after five in a row; also prints the mean tries that failed
 
     python3 bench/fleet_seeds.py --prefixroute before=OLD/prefixroute --prefixroute after=NEW/prefixroute
     python3 bench/fleet_seeds.py --prefixroute now=target/release/prefixroute --policies latency,prefix
@@ -36,6 +39,7 @@ EVENTS = {
     "scale-in": ["down:1@8", "down:2@8"],
     "restart": ["restart:0@8"],
     "scale-out": ["down:4@0", "down:5@0", "up:4@8", "up:5@8"],
+    "failure": ["fail:0@8"],
 }
 TRACE = ["--shape", "tenants", "--tenants", "24", "--prompt-words", "600",
          "--question-words", "40", "--rate", "60", "--requests", "1200"]
@@ -51,7 +55,8 @@ def simulate(binary, path, policy, cost, events):
     report = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
     bound, ours = report["upper_bound"], report["policies"][0]
     return (ours["ttft_p95_ms"] / bound["ttft_p95_ms"],
-            ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0)
+            ours["hit_rate"] / bound["hit_rate"] if bound["hit_rate"] else 1.0,
+            ours.get("failed_tries", 0), ours.get("failed_requests", 0))
 
 
 def main():
@@ -90,9 +95,14 @@ def main():
                         p95 = [r[0] for r in rows]
                         hit = [r[1] for r in rows]
                         worst = max(rows)
+                        failed = ""
+                        if any(r[2] for r in rows):
+                            tries = statistics.mean(r[2] for r in rows)
+                            lost = statistics.mean(r[3] for r in rows)
+                            failed = f" failed tries {tries:.1f}, failed requests {lost:.1f}"
                         print(f"{event:9s} @{cost}: {name} {policy}: p95 "
-                              f"{statistics.mean(p95):4.2f}x ({worst[0]:4.2f}, seed {worst[2]}) "
-                              f"hit {statistics.mean(hit) * 100:5.1f}%", flush=True)
+                              f"{statistics.mean(p95):4.2f}x ({worst[0]:4.2f}, seed {worst[4]}) "
+                              f"hit {statistics.mean(hit) * 100:5.1f}%{failed}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use prefixroute_core::config::{DiscoveryConfig, EndpointConfig, PluginConfig};
+use prefixroute_core::outlier::{RETRY_BACK_OFF_BASE_MS, RETRY_BACK_OFF_MAX_MS};
 use serde_json::{json, Value};
 
 /// How Envoy balances the pool.
@@ -125,7 +126,10 @@ fn retry_policy(failover: usize) -> Value {
         "retry_on": "connect-failure,refused-stream,reset,retriable-status-codes",
         "retriable_status_codes": RETRIED_STATUSES,
         "num_retries": failover.max(1),
-        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        "retry_back_off": {
+            "base_interval": format!("{}s", RETRY_BACK_OFF_BASE_MS as f64 / 1000.0),
+            "max_interval": format!("{}s", RETRY_BACK_OFF_MAX_MS as f64 / 1000.0),
+        },
     })
 }
 
@@ -624,6 +628,11 @@ mod tests {
         let route = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"];
         assert_eq!(route["retry_policy"]["num_retries"], 2);
+        assert_eq!(
+            route["retry_policy"]["retry_back_off"],
+            json!({"base_interval": "0.005s", "max_interval": "0.05s"}),
+            "Envoy reads durations as seconds with a suffix"
+        );
         let breakers = &cluster(&b, POOL_CLUSTER)["circuit_breakers"]["thresholds"][0];
         assert_eq!(breakers["max_retries"], 1024, "not Envoy's default of 3");
         let retry_on = route["retry_policy"]["retry_on"].as_str().unwrap();

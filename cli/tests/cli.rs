@@ -117,6 +117,35 @@ fn simulate_default_trace_shows_the_cache_aware_policies_far_ahead_with_every_te
 }
 
 #[test]
+fn simulate_counts_the_tries_a_failed_engine_answered_and_envoy_retried() {
+    let trace = temp("failing.jsonl");
+    let t = trace.to_str().unwrap();
+    assert!(prefixroute(&["trace", "--requests", "200", "-o", t])
+        .status
+        .success());
+    let flags = ["--policy", "latency", "--fleet-event", "fail:replica-1@1"];
+    let out = prefixroute(&[&["simulate", t][..], &flags[..]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(
+            "latency: 5 tries answered 503 by a failed engine and retried, 0 requests failed \
+             every try"
+        ),
+        "{}",
+        stdout(&out)
+    );
+    let out = prefixroute(&[&["simulate", t, "--json"][..], &flags[..]].concat());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["policies"][0]["failed_tries"], 5);
+    assert_eq!(json["fleet_events"][0]["change"], "fail");
+    // Without a failure the report says nothing of failures.
+    let out = prefixroute(&["simulate", t, "--policy", "latency", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(json["policies"][0].get("failed_tries").is_none());
+    assert!(!stdout(&out).contains("503"));
+}
+
+#[test]
 fn simulate_reports_each_policys_share_of_the_upper_bound() {
     // The issue's RAG command: 6 documents of ~1,000 tokens, caches of 2 documents each,
     // 1 ms per uncached token.

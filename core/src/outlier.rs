@@ -27,6 +27,19 @@ pub const BASE_EJECTION_MS: u64 = 30_000;
 /// The longest ejection (Envoy's `max_ejection_time` default).
 pub const MAX_EJECTION_MS: u64 = 300_000;
 
+/// The route's retry back-off (`prefixroute serve`'s Envoy configuration): Envoy waits a random
+/// time below `(2^n − 1) × base` (at most `max`) before its n-th retry, so that a failed try is
+/// retried on the next replica of the failover list within milliseconds.
+pub const RETRY_BACK_OFF_BASE_MS: u64 = 5;
+pub const RETRY_BACK_OFF_MAX_MS: u64 = 50;
+
+/// The mean wait before Envoy's `n`-th retry (from 1) under [`RETRY_BACK_OFF_BASE_MS`] and
+/// [`RETRY_BACK_OFF_MAX_MS`]: half the bound of its fully jittered draw.
+pub fn mean_retry_back_off_ms(n: u32) -> f64 {
+    let bound = ((1u64 << n.min(16)) - 1) * RETRY_BACK_OFF_BASE_MS;
+    bound.min(RETRY_BACK_OFF_MAX_MS) as f64 / 2.0
+}
+
 /// One endpoint's recent answers, shared by every worker of a proxy (the plugin keeps it in
 /// the endpoint's shared record).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,6 +106,15 @@ impl OutlierState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retries_wait_longer_each_time_up_to_the_maximum() {
+        assert_eq!(mean_retry_back_off_ms(1), 2.5);
+        assert_eq!(mean_retry_back_off_ms(2), 7.5);
+        assert_eq!(mean_retry_back_off_ms(3), 17.5);
+        assert_eq!(mean_retry_back_off_ms(4), 25.0);
+        assert_eq!(mean_retry_back_off_ms(40), 25.0);
+    }
 
     fn errors(state: &mut OutlierState, n: u16, now_ms: u64) -> Vec<Answered> {
         (0..n).map(|_| state.answered(503, now_ms)).collect()

@@ -12,6 +12,13 @@
 //!   cache counters went back (what the plugin watches for). Until then it routes on a stale
 //!   belief; with a precise index the server's `AllBlocksCleared` event tells it at once.
 //!
+//! * `fail`: the engine dies while the pod lives on: its HTTP server answers every completion
+//!   with a 503 at once and its `/metrics` still says it is idle, so health checks, the
+//!   endpoint list and the scrape all keep it. Envoy's route retries each failed try on the
+//!   next replica of the destination header's failover list, and the gateway takes the
+//!   replica out of rotation after five failures in a row (core's `outlier`, as the plugin
+//!   does). A `restart` (the liveness probe's) or a `down` ends it.
+//!
 //! A replica that should join later starts with `down` at time 0.
 
 use std::fmt;
@@ -27,6 +34,7 @@ pub enum FleetChange {
     Down,
     Up,
     Restart,
+    Fail,
 }
 
 impl fmt::Display for FleetChange {
@@ -35,6 +43,7 @@ impl fmt::Display for FleetChange {
             FleetChange::Down => "down",
             FleetChange::Up => "up",
             FleetChange::Restart => "restart",
+            FleetChange::Fail => "fail",
         })
     }
 }
@@ -57,9 +66,9 @@ impl fmt::Display for FleetEvent {
 
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum FleetError {
-    #[error("fleet event {0:?}: expected KIND:REPLICA@SECONDS, e.g. restart:replica-2@20 (KIND: down, up or restart)")]
+    #[error("fleet event {0:?}: expected KIND:REPLICA@SECONDS, e.g. restart:replica-2@20 (KIND: down, up, restart or fail)")]
     Syntax(String),
-    #[error("fleet event {0:?}: unknown change {1:?} (expected down, up or restart)")]
+    #[error("fleet event {0:?}: unknown change {1:?} (expected down, up, restart or fail)")]
     Change(String, String),
     #[error("fleet event {0:?}: the replica is `replica-N` or `N`, not {1:?}")]
     Replica(String, String),
@@ -80,6 +89,7 @@ impl FromStr for FleetEvent {
             "down" => FleetChange::Down,
             "up" => FleetChange::Up,
             "restart" => FleetChange::Restart,
+            "fail" => FleetChange::Fail,
             other => return Err(FleetError::Change(s.to_string(), other.to_string())),
         };
         let replica = replica.trim();
@@ -135,6 +145,9 @@ mod tests {
             FleetChange::Up
         );
         assert_eq!(e.to_string().parse::<FleetEvent>().unwrap(), e);
+        let fail: FleetEvent = "fail:replica-1@10".parse().unwrap();
+        assert_eq!(fail.change, FleetChange::Fail);
+        assert_eq!(fail.to_string(), "fail:replica-1@10");
     }
 
     #[test]

@@ -24,11 +24,12 @@ use crate::pd::{decode_stalls, PdConfig, PdStats, PrefillPool, RemotePrefill, Sp
 use crate::replica::{ReplicaSim, ReplicaTiming, Served};
 use crate::summary::{groups_on_one_endpoint, natural_key, percentile};
 use crate::trace::TraceRecord;
-use prefixroute_core::config::IndexMode;
+use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::feed::StoredRun;
 use prefixroute_core::hashing::{hash_request, BlockHashes};
 use prefixroute_core::latency::{Calibration, Observation, RequestLedger, SentTokens};
 use prefixroute_core::metrics::ServerMetrics;
+use prefixroute_core::outlier::{mean_retry_back_off_ms, OutlierState};
 use prefixroute_core::request::{parse_value, RequestError};
 use prefixroute_core::router::{Decision, EndpointLoad, Router, RouterConfig};
 use prefixroute_core::scorer::estimate_load;
@@ -175,13 +176,33 @@ pub struct Step {
     pub t: f64,
     pub group: String,
     pub decision: Decision,
+    /// What the replica that answered did with it; nothing (no tokens) when every try failed.
+    /// Its TTFT counts from the first try, Envoy's retries included.
     pub served: Served,
     /// Prefilled on a prefill replica (a P/D split), not where it decodes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemotePrefill>,
+    /// The replicas whose failed engines answered a try with a 503 before one answered (the
+    /// decision's endpoint first, then its failover list, as Envoy's retries walk them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_tries: Vec<usize>,
+    /// Every try failed: the client got the last 503.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub failed: bool,
 }
 
 impl Step {
+    /// The replica that served the request: the decision's endpoint, or the one of its
+    /// failover list Envoy's retries reached; `None` when every try failed.
+    pub fn replica(&self) -> Option<usize> {
+        if self.failed {
+            return None;
+        }
+        std::iter::once(self.decision.endpoint)
+            .chain(self.decision.next_best.iter().copied())
+            .nth(self.failed_tries.len())
+    }
+
     /// `#3 tenant-1: prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`
     pub fn explain(&self, names: &[String]) -> String {
         format!(
@@ -198,6 +219,14 @@ impl Step {
 pub struct SimReport {
     pub policy: String,
     pub requests: usize,
+    /// Tries answered with a 503 by a replica whose engine failed (a `fail` fleet event), and
+    /// retried by Envoy on the failover list.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_tries: usize,
+    /// Requests whose every try failed (the client got a 503). Their TTFTs are left out of the
+    /// percentiles.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_requests: usize,
     /// Server-side prefix-cache hit rate in tokens (hits / queries), 0..1.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
@@ -310,6 +339,9 @@ struct Gateway {
     /// The gateway's last scrape of the replicas (`None` before its first, or with an ideal
     /// scrape at every decision).
     scrape: Option<Scrape>,
+    /// Each replica's answers as this gateway saw them: five failed tries in a row take it out
+    /// of rotation (core's `outlier`; an Envoy's workers share it, so one per gateway).
+    outliers: Vec<OutlierState>,
 }
 
 /// What one scrape of every replica read, and what the gateway had in flight there when it
@@ -401,6 +433,11 @@ pub struct Simulation {
     fleet: Vec<FleetEvent>,
     /// Replicas the router may send requests to (not `down`).
     routable: Vec<bool>,
+    /// Replicas whose engine failed (`fail`): every try they get is answered with a 503.
+    failing: Vec<bool>,
+    /// Replicas after the chosen one in the destination header, each one more try for Envoy's
+    /// retries (the plugin's `failover`).
+    failover: usize,
     /// A replica restarted in place: the scrape at which the router sees it and forgets its
     /// belief there.
     restart_seen_at: Vec<Option<f64>>,
@@ -449,6 +486,7 @@ impl Simulation {
                 checked: vec![(0, 0, SentTokens::default()); n],
                 feed: std::collections::VecDeque::new(),
                 scrape: None,
+                outliers: vec![OutlierState::default(); n],
             }
         };
         Ok(Simulation {
@@ -485,6 +523,8 @@ impl Simulation {
             steps: Vec::new(),
             fleet: Vec::new(),
             routable: vec![true; n],
+            failing: vec![false; n],
+            failover: PluginConfig::default().failover,
             restart_seen_at: vec![None; n],
         })
     }
@@ -504,9 +544,13 @@ impl Simulation {
         while let Some(&event) = self.fleet.last().filter(|e| e.at_s * 1000.0 <= now_ms) {
             self.fleet.pop();
             let r = event.replica;
-            // Whatever the change, the pod's cache is gone.
+            // Whatever the change, the pod's cache is gone; whatever it was, the engine that
+            // failed is gone too, unless this is the failure.
             self.replicas[r].cache.clear();
+            self.failing[r] = event.change == FleetChange::Fail;
             match event.change {
+                // Nothing tells the router: health checks and scrapes still pass.
+                FleetChange::Fail => {}
                 FleetChange::Down => self.routable[r] = false,
                 FleetChange::Up => {
                     // A new pod is a new address: nothing is believed of it.
@@ -722,7 +766,8 @@ impl Simulation {
                         None => (None, None),
                     }
                 };
-                let mut load = estimate_load(metrics, work[e], sent_then, !self.routable[e]);
+                let out = g.outliers[e].ejected(now_ms as u64);
+                let mut load = estimate_load(metrics, work[e], sent_then, !self.routable[e] || out);
                 learned.apply_to(e, &mut load.latency);
                 load
             })
@@ -764,26 +809,48 @@ impl Simulation {
         // The router's ledger: what it predicted it sent (its own belief, not the replica's
         // truth), released at the first byte and at the end of the response.
         let predicted = router.prediction_for(&decision, &request.hashes, &loads[endpoint]);
+        let (answered_by, failed_tries, retry_ms) = tries(
+            &decision,
+            self.failover,
+            &self.failing,
+            &mut self.gateways[gateway].outliers,
+            now_ms,
+        );
+        // The replica that serves it; the router's own account (its belief, its ledger) stays
+        // with the one it chose, as the plugin's does.
+        let replica = answered_by.unwrap_or(endpoint);
         let remote = match (&self.pd, self.prefill_pool.as_mut()) {
             // llm-d's decider: on what the router predicts uncached there.
             (Some(pd), Some(pool)) if predicted.uncached_tokens as u64 >= pd.threshold_tokens => {
                 let lacking = request.hashes.total_tokens()
-                    - self.replicas[endpoint]
+                    - self.replicas[replica]
                         .cached_tokens(&prompts)
                         .min(request.hashes.total_tokens());
                 Some(pool.prefill(now_ms, lacking, pd))
             }
             _ => None,
         };
-        let served = match remote {
-            Some(r) => self.replicas[endpoint].admit_prefilled(
+        let mut served = match (answered_by, remote) {
+            (None, _) => Served {
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                queue_at_arrival: 0,
+                wait_ms: 0.0,
+                ttft_ms: 0.0,
+                finish_ms: now_ms,
+            },
+            (Some(r), Some(remote)) => self.replicas[r].admit_prefilled(
                 now_ms,
-                r.kv_ready_ms,
+                remote.kv_ready_ms,
                 &prompts,
                 request.output_tokens,
             ),
-            None => self.replicas[endpoint].admit(now_ms, &prompts, request.output_tokens),
+            (Some(r), None) => self.replicas[r].admit(now_ms, &prompts, request.output_tokens),
         };
+        // The replica sees it with the first try (its clock only goes forward); the client
+        // waits for Envoy's back-off before each retry too.
+        served.ttft_ms += retry_ms;
+        served.finish_ms += retry_ms;
         self.gateways[gateway]
             .router
             .commit(&decision, &request.hashes);
@@ -791,7 +858,8 @@ impl Simulation {
             // The replica's KV events, to every gateway's feed: applied at its next fetch.
             let interval = self.kv_interval_ms;
             let count = self.gateways.len();
-            for (p, change) in self.replicas[endpoint].take_changes() {
+            let changes = answered_by.map(|r| self.replicas[r].take_changes());
+            for (p, change) in changes.unwrap_or_default() {
                 let change = match change {
                     crate::replica::CacheChange::Stored { first, len } => {
                         let Some((chain, _)) = prompts.get(p) else {
@@ -827,8 +895,8 @@ impl Simulation {
             Signal::FirstByte {
                 endpoint,
                 uncached_tokens: uncached,
-                observation: remote
-                    .is_none()
+                // What another replica answered after a retry teaches nothing of this one.
+                observation: (remote.is_none() && failed_tries.is_empty())
                     .then(|| Observation::of(&predicted, served.ttft_ms)),
             },
         );
@@ -849,6 +917,8 @@ impl Simulation {
             decision,
             served,
             remote,
+            failed: answered_by.is_none(),
+            failed_tries,
         });
         self.steps.last()
     }
@@ -856,19 +926,52 @@ impl Simulation {
     pub fn run(&mut self) {
         while self.step().is_some() {}
     }
+}
 
+/// Envoy's tries of a request at `now_ms`: the decision's endpoint, then up to `failover` of its
+/// next best after a back-off each; a replica whose engine failed answers at once with a 503,
+/// which counts towards its ejection (`outliers`). The one that answered (`None` if every try
+/// failed), the failed ones in order, and the time the retries added.
+fn tries(
+    decision: &Decision,
+    failover: usize,
+    failing: &[bool],
+    outliers: &mut [OutlierState],
+    now_ms: f64,
+) -> (Option<usize>, Vec<usize>, f64) {
+    let list = std::iter::once(decision.endpoint).chain(decision.next_best.iter().copied());
+    let mut failed = Vec::new();
+    let mut waited_ms = 0.0;
+    for (n, e) in list.take(1 + failover).enumerate() {
+        if n > 0 {
+            waited_ms += mean_retry_back_off_ms(n as u32);
+        }
+        let at_ms = (now_ms + waited_ms) as u64;
+        if !failing[e] {
+            outliers[e].answered(200, at_ms);
+            return (Some(e), failed, waited_ms);
+        }
+        outliers[e].answered(503, at_ms);
+        failed.push(e);
+    }
+    (None, failed, waited_ms)
+}
+
+impl Simulation {
     /// Summary of the steps run so far.
     pub fn report(&self) -> SimReport {
         let n = self.replicas.len();
         let mut per_replica = vec![0; n];
         let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-        for step in &self.steps {
-            per_replica[step.decision.endpoint] += 1;
+        // Where each request was served (a request every try of which failed was served nowhere).
+        let served = || self.steps.iter().filter_map(|s| Some((s, s.replica()?)));
+        for (step, replica) in served() {
+            per_replica[replica] += 1;
             match groups.iter_mut().find(|(g, _)| *g == step.group) {
-                Some((_, counts)) => counts[step.decision.endpoint] += 1,
+                Some((_, counts)) => counts[replica] += 1,
                 None => {
                     let mut counts = vec![0; n];
-                    counts[step.decision.endpoint] = 1;
+                    counts[replica] = 1;
                     groups.push((step.group.clone(), counts));
                 }
             }
@@ -876,17 +979,12 @@ impl Simulation {
         groups.sort_by_key(|(name, _)| natural_key(name));
         let hits: u64 = self.replicas.iter().map(|r| r.cache.hit_tokens()).sum();
         let queries: u64 = self.replicas.iter().map(|r| r.cache.query_tokens()).sum();
-        let ttft: Vec<f64> = self.steps.iter().map(|s| s.served.ttft_ms).collect();
-        let queue: Vec<f64> = self
-            .steps
-            .iter()
-            .map(|s| s.served.queue_at_arrival as f64)
+        let ttft: Vec<f64> = served().map(|(s, _)| s.served.ttft_ms).collect();
+        let queue: Vec<f64> = served()
+            .map(|(s, _)| s.served.queue_at_arrival as f64)
             .collect();
-        let (groups_on_one, group_count) = groups_on_one_endpoint(
-            self.steps
-                .iter()
-                .map(|s| (s.group.as_str(), s.decision.endpoint)),
-        );
+        let (groups_on_one, group_count) =
+            groups_on_one_endpoint(served().map(|(s, replica)| (s.group.as_str(), replica)));
         let (stalls, pd) = self.decode_report();
         let stall_total: Vec<f64> = stalls.iter().map(|s| s.total_ms).collect();
         let stall_gap: Vec<f64> = stalls.iter().map(|s| s.worst_gap_ms).collect();
@@ -896,6 +994,8 @@ impl Simulation {
             pd,
             policy: self.router().config().policy.to_string(),
             requests: self.steps.len(),
+            failed_tries: self.steps.iter().map(|s| s.failed_tries.len()).sum(),
+            failed_requests: self.steps.iter().filter(|s| s.failed).count(),
             hit_rate: if queries == 0 {
                 0.0
             } else {
@@ -910,6 +1010,10 @@ impl Simulation {
             group_replicas: groups,
         }
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// How far the router's belief was from the replicas' truth over a run.
@@ -930,7 +1034,8 @@ impl Simulation {
             requests: self.steps.len(),
             ..BeliefCheck::default()
         };
-        for s in &self.steps {
+        // Only where the chosen replica served it: elsewhere the belief was not put to the test.
+        for s in self.steps.iter().filter(|s| s.failed_tries.is_empty()) {
             let bs = self.requests[s.index].hashes.block_size.max(1);
             let reusable = s.served.prompt_tokens.saturating_sub(1) / bs;
             let believed = s.decision.matched_blocks();
@@ -945,10 +1050,9 @@ impl Simulation {
     fn decode_report(&self) -> (Vec<crate::pd::Stall>, Option<PdStats>) {
         let mut decodes = Vec::new();
         let mut prefills = Vec::new();
-        for step in &self.steps {
+        for (step, replica) in self.steps.iter().filter_map(|s| Some((s, s.replica()?))) {
             let arrival = step.t * 1000.0;
             let first_token = arrival + step.served.ttft_ms;
-            let replica = step.decision.endpoint;
             if self.requests[step.index].output_tokens > 1 {
                 decodes.push(Span {
                     replica,

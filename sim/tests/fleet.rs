@@ -214,3 +214,77 @@ fn fleet_events_naming_a_replica_the_fleet_lacks_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_replica_whose_engine_failed_costs_five_retried_tries_then_leaves_the_rotation() {
+    // Replica 0's engine dies 2 s in; its pod, HTTP server and scrapes live on, so nothing but
+    // its answers says so. Each gateway retries the failed tries on the failover list and
+    // takes it out after five in a row, for 30 s: longer than the rest of this trace.
+    let trace = tenants(20.0, 400, 11);
+    for policy in [Policy::Latency, Policy::RoundRobin] {
+        for gateways in [1, 3] {
+            let config = SimConfig {
+                gateways,
+                ..fleet(policy, 0.5)
+            };
+            let sim = run(&trace, config, &["fail:0@2"]);
+            let report = sim.report();
+            assert_eq!(
+                report.failed_requests, 0,
+                "{policy}, {gateways}: a retry answers"
+            );
+            assert_eq!(
+                report.failed_tries,
+                5 * gateways,
+                "{policy}, {gateways}: five per gateway, then out of rotation"
+            );
+            let retried: Vec<_> = sim
+                .steps()
+                .iter()
+                .filter(|s| !s.failed_tries.is_empty())
+                .collect();
+            assert!(retried.iter().all(|s| s.failed_tries == [0]
+                && s.replica().is_some_and(|r| r != 0)
+                && s.served.ttft_ms >= 2.5));
+            let last_retried = retried.last().map_or(0.0, |s| s.t);
+            assert!(
+                sim.steps()
+                    .iter()
+                    .filter(|s| s.t > last_retried)
+                    .all(|s| s.decision.endpoint != 0),
+                "{policy}, {gateways}: chosen after its ejection"
+            );
+            assert_eq!(
+                report.requests_per_replica[0],
+                sim.steps()
+                    .iter()
+                    .filter(|s| s.t < 2.0 && s.decision.endpoint == 0)
+                    .count()
+            );
+        }
+    }
+}
+
+#[test]
+fn requests_whose_every_try_fails_are_counted_and_left_out_of_the_latencies() {
+    // Three of six replicas fail at once; a request chosen for one of them with its two
+    // failover replicas failing too gets the last 503, until the ejections take them out.
+    let trace = tenants(20.0, 400, 11);
+    let sim = run(
+        &trace,
+        fleet(Policy::RoundRobin, 0.5),
+        &["fail:0@2", "fail:1@2", "fail:2@2"],
+    );
+    let report = sim.report();
+    let failed: Vec<_> = sim.steps().iter().filter(|s| s.failed).collect();
+    assert_eq!(report.failed_requests, failed.len());
+    assert!(!failed.is_empty());
+    assert!(failed.iter().all(|s| s.replica().is_none()
+        && s.failed_tries.len() == 3
+        && s.served.prompt_tokens == 0));
+    assert_eq!(
+        report.requests_per_replica.iter().sum::<usize>(),
+        report.requests - report.failed_requests
+    );
+    assert!(report.failed_tries <= 5 * 3, "{}", report.failed_tries);
+}

@@ -106,7 +106,10 @@ pub struct Args {
     /// A change to the fleet during the run (repeatable): `down:replica-2@20` (the pod goes
     /// away 20 s into the trace; what it holds finishes), `up:replica-2@40` (a pod with an
     /// empty cache takes the slot), `restart:replica-1@30` (restarts in place: the router sees
-    /// it at its next scrape). A replica that joins later: `down:N@0` and `up:N@T`.
+    /// it at its next scrape), `fail:replica-0@10` (its engine dies, its pod lives: every try
+    /// a 503 at once while its scrapes say idle; Envoy retries on the failover list and each
+    /// gateway takes it out after five failures in a row, for 30 s). A replica that joins
+    /// later: `down:N@0` and `up:N@T`.
     #[arg(long = "fleet-event", value_name = "KIND:REPLICA@SECONDS",
           value_parser = str::parse::<FleetEvent>)]
     fleet_events: Vec<FleetEvent>,
@@ -490,6 +493,14 @@ pub fn render_table(reports: &[SimReport], bound: Option<&SimReport>) -> String 
             } else {
                 per.join(" ")
             }
+        ));
+    }
+    // Only with `fail` fleet events: the tries Envoy retried away from a failed engine.
+    for r in reports.iter().filter(|r| r.failed_tries > 0) {
+        out.push_str(&format!(
+            "{}: {} tries answered 503 by a failed engine and retried, {} requests failed \
+             every try\n",
+            r.policy, r.failed_tries, r.failed_requests
         ));
     }
     out
