@@ -553,10 +553,14 @@ impl Simulation {
                 FleetChange::Fail => {}
                 FleetChange::Down => self.routable[r] = false,
                 FleetChange::Up => {
-                    // A new pod is a new address: nothing is believed of it.
+                    // A new pod is a new address: nothing is believed of it, and none of the
+                    // old one's failures count against it.
                     self.routable[r] = true;
                     self.restart_seen_at[r] = None;
                     self.forget_endpoint(r);
+                    for g in &mut self.gateways {
+                        g.outliers[r] = OutlierState::default();
+                    }
                 }
                 FleetChange::Restart if self.precise => self.forget_endpoint(r),
                 FleetChange::Restart => {

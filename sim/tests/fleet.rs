@@ -288,3 +288,30 @@ fn requests_whose_every_try_fails_are_counted_and_left_out_of_the_latencies() {
     );
     assert!(report.failed_tries <= 5 * 3, "{}", report.failed_tries);
 }
+
+#[test]
+fn a_new_pod_in_a_failed_ones_slot_is_routed_to_at_once_and_a_restart_waits_out_the_ejection() {
+    let trace = tenants(20.0, 400, 11);
+    let chosen_after = |sim: &Simulation, t: f64| {
+        sim.steps()
+            .iter()
+            .filter(|s| s.t >= t && s.decision.endpoint == 0)
+            .count()
+    };
+    // Replaced by a new pod (a new address): nothing of the old one's failures counts.
+    let sim = run(
+        &trace,
+        fleet(Policy::RoundRobin, 0.5),
+        &["fail:0@2", "down:0@5", "up:0@6"],
+    );
+    assert_eq!(sim.report().failed_tries, 5);
+    assert!(chosen_after(&sim, 6.0) > 0);
+    // Restarted in place (the same address): its ejection runs its 30 s, as Envoy's would.
+    let sim = run(
+        &trace,
+        fleet(Policy::RoundRobin, 0.5),
+        &["fail:0@2", "restart:0@6"],
+    );
+    assert_eq!(sim.report().failed_tries, 5);
+    assert_eq!(chosen_after(&sim, 6.0), 0);
+}
