@@ -813,7 +813,11 @@ impl Simulation {
         // The router's ledger: what it predicted it sent (its own belief, not the replica's
         // truth), released at the first byte and at the end of the response.
         let predicted = router.prediction_for(&decision, &request.hashes, &loads[endpoint]);
-        let (answered_by, failed_tries, retry_ms) = tries(
+        let Tries {
+            answered_by,
+            failed: failed_tries,
+            waited_ms: retry_ms,
+        } = tries(
             &decision,
             self.failover,
             &self.failing,
@@ -932,33 +936,46 @@ impl Simulation {
     }
 }
 
+/// How Envoy's tries of one request went.
+struct Tries {
+    /// The replica that answered; `None` if every try failed.
+    answered_by: Option<usize>,
+    /// The replicas that answered a try with a 503, in order.
+    failed: Vec<usize>,
+    /// The back-off Envoy waited before its retries.
+    waited_ms: f64,
+}
+
 /// Envoy's tries of a request at `now_ms`: the decision's endpoint, then up to `failover` of its
 /// next best after a back-off each; a replica whose engine failed answers at once with a 503,
-/// which counts towards its ejection (`outliers`). The one that answered (`None` if every try
-/// failed), the failed ones in order, and the time the retries added.
+/// which counts towards its ejection (`outliers`).
 fn tries(
     decision: &Decision,
     failover: usize,
     failing: &[bool],
     outliers: &mut [OutlierState],
     now_ms: f64,
-) -> (Option<usize>, Vec<usize>, f64) {
+) -> Tries {
     let list = std::iter::once(decision.endpoint).chain(decision.next_best.iter().copied());
-    let mut failed = Vec::new();
-    let mut waited_ms = 0.0;
+    let mut tries = Tries {
+        answered_by: None,
+        failed: Vec::new(),
+        waited_ms: 0.0,
+    };
     for (n, e) in list.take(1 + failover).enumerate() {
         if n > 0 {
-            waited_ms += mean_retry_back_off_ms(n as u32);
+            tries.waited_ms += mean_retry_back_off_ms(n as u32);
         }
-        let at_ms = (now_ms + waited_ms) as u64;
+        let at_ms = (now_ms + tries.waited_ms) as u64;
         if !failing[e] {
             outliers[e].answered(200, at_ms);
-            return (Some(e), failed, waited_ms);
+            tries.answered_by = Some(e);
+            break;
         }
         outliers[e].answered(503, at_ms);
-        failed.push(e);
+        tries.failed.push(e);
     }
-    (None, failed, waited_ms)
+    tries
 }
 
 impl Simulation {
