@@ -138,6 +138,14 @@ fn simulate_counts_the_tries_a_failed_engine_answered_and_envoy_retried() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["policies"][0]["failed_tries"], 5);
     assert_eq!(json["fleet_events"][0]["change"], "fail");
+    // Each retried decision says where its tries went.
+    let out = prefixroute(&[&["simulate", t, "--show-decisions", "200"][..], &flags[..]].concat());
+    let retried: Vec<&str> = std::str::from_utf8(&out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("[503 from replica-1, then replica-"))
+        .collect();
+    assert_eq!(retried.len(), 5, "{retried:?}");
     // Without a failure the report says nothing of failures.
     let out = prefixroute(&["simulate", t, "--policy", "latency", "--json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -256,10 +256,30 @@ pub fn run(args: Args) -> Result<()> {
         sim.run();
         if args.show_decisions > 0 && !args.json {
             for step in sim.steps().iter().take(args.show_decisions) {
-                let outcome = format!(
-                    "  [{} of {} tokens cached, ttft {:.0} ms]",
-                    step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
-                );
+                let retried: Vec<&str> = step
+                    .failed_tries
+                    .iter()
+                    .map(|&r| names[r].as_str())
+                    .collect();
+                let outcome = match step.replica() {
+                    None => format!(
+                        "  [every try answered 503: {}; after {:.0} ms]",
+                        retried.join(", "),
+                        step.served.ttft_ms
+                    ),
+                    Some(r) if !retried.is_empty() => format!(
+                        "  [503 from {}, then {}: {} of {} tokens cached, ttft {:.0} ms]",
+                        retried.join(", "),
+                        names[r],
+                        step.served.cached_tokens,
+                        step.served.prompt_tokens,
+                        step.served.ttft_ms
+                    ),
+                    Some(_) => format!(
+                        "  [{} of {} tokens cached, ttft {:.0} ms]",
+                        step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
+                    ),
+                };
                 out += &format!("{}{}\n", step.explain(&names), outcome);
                 for line in step.decision.endpoint_lines(&names) {
                     out += &format!("    {line}\n");
