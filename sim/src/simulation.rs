@@ -287,8 +287,12 @@ enum Signal {
         observation: Option<Observation>,
     },
     /// The response ended: the request no longer holds a lane; it held it `hold_ms` after its
-    /// first byte.
-    Done { endpoint: usize, hold_ms: f64 },
+    /// first byte (`None`: another replica answered after a retry, which says nothing of this
+    /// one, as in the plugin).
+    Done {
+        endpoint: usize,
+        hold_ms: Option<f64>,
+    },
 }
 
 /// A signal due at `at_ms` to the gateway that sent the request; `seq` keeps equal times in
@@ -702,7 +706,7 @@ impl Simulation {
                     }
                 }
                 Signal::Done { endpoint, hold_ms } => {
-                    if g.ledger.done(endpoint, None, Some(hold_ms)).is_err() {
+                    if g.ledger.done(endpoint, None, hold_ms).is_err() {
                         self.refused_observations += 1;
                     }
                 }
@@ -915,7 +919,7 @@ impl Simulation {
             gateway,
             Signal::Done {
                 endpoint,
-                hold_ms: end_ms - first_byte_ms,
+                hold_ms: failed_tries.is_empty().then_some(end_ms - first_byte_ms),
             },
         );
         self.steps.push(Step {
