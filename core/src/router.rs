@@ -91,6 +91,12 @@ impl Decision {
         self.scores[self.endpoint].matched_blocks
     }
 
+    /// Where a request goes try after try: the chosen endpoint, then [`Decision::next_best`] in
+    /// order (the destination header's failover list, as Envoy's retries walk it).
+    pub fn tries(&self) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(self.endpoint).chain(self.next_best.iter().copied())
+    }
+
     pub fn score(&self) -> f64 {
         self.scores[self.endpoint].total
     }

@@ -198,9 +198,7 @@ impl Step {
         if self.failed {
             return None;
         }
-        std::iter::once(self.decision.endpoint)
-            .chain(self.decision.next_best.iter().copied())
-            .nth(self.failed_tries.len())
+        self.decision.tries().nth(self.failed_tries.len())
     }
 
     /// `#3 tenant-1: prefix -> replica-2: match 12/14 blocks, score 6.63, next replica-1 4.50`
@@ -960,13 +958,12 @@ fn tries(
     outliers: &mut [OutlierState],
     now_ms: f64,
 ) -> Tries {
-    let list = std::iter::once(decision.endpoint).chain(decision.next_best.iter().copied());
     let mut tries = Tries {
         answered_by: None,
         failed: Vec::new(),
         waited_ms: 0.0,
     };
-    for (n, e) in list.take(1 + failover).enumerate() {
+    for (n, e) in decision.tries().take(1 + failover).enumerate() {
         if n > 0 {
             tries.waited_ms += mean_retry_back_off_ms(n as u32);
         }

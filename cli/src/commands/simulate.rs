@@ -261,24 +261,24 @@ pub fn run(args: Args) -> Result<()> {
                     .iter()
                     .map(|&r| names[r].as_str())
                     .collect();
+                let served = format!(
+                    "{} of {} tokens cached, ttft {:.0} ms",
+                    step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
+                );
                 let outcome = match step.replica() {
                     None => format!(
                         "  [every try answered 503: {}; after {:.0} ms]",
                         retried.join(", "),
                         step.served.ttft_ms
                     ),
-                    Some(r) if !retried.is_empty() => format!(
-                        "  [503 from {}, then {}: {} of {} tokens cached, ttft {:.0} ms]",
-                        retried.join(", "),
-                        names[r],
-                        step.served.cached_tokens,
-                        step.served.prompt_tokens,
-                        step.served.ttft_ms
-                    ),
-                    Some(_) => format!(
-                        "  [{} of {} tokens cached, ttft {:.0} ms]",
-                        step.served.cached_tokens, step.served.prompt_tokens, step.served.ttft_ms
-                    ),
+                    Some(r) if !retried.is_empty() => {
+                        format!(
+                            "  [503 from {}, then {}: {served}]",
+                            retried.join(", "),
+                            names[r]
+                        )
+                    }
+                    Some(_) => format!("  [{served}]"),
                 };
                 out += &format!("{}{}\n", step.explain(&names), outcome);
                 for line in step.decision.endpoint_lines(&names) {
