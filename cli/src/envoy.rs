@@ -118,8 +118,8 @@ pub fn discovery(interval_ms: u64) -> DiscoveryConfig {
 /// Retries of requests the chosen replica refused, reset or answered with a server error: the
 /// plugin's destination header lists the next best replicas after the chosen one and
 /// override_host walks that list, one host per attempt. A response that has started (a
-/// stream begun) is never retried: Envoy has already forwarded it. The virtual host tells the
-/// plugin how many tries a response took (`include_attempt_count_in_response`), so that the
+/// stream begun) is never retried: Envoy has already forwarded it. The plugin reads how many
+/// tries a response took from Envoy's `upstream.request_attempt_count` attribute, so that the
 /// tries retried away still count against their replicas (core's `outlier`).
 fn retry_policy(failover: usize) -> Value {
     json!({
@@ -288,7 +288,6 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
         "route_config": {"virtual_hosts": [{
             "name": "llm",
             "domains": ["*"],
-            "include_attempt_count_in_response": true,
             "routes": [{"match": {"prefix": "/"}, "route": {
                 "cluster": POOL_CLUSTER,
                 "timeout": "300s",
@@ -643,9 +642,6 @@ mod tests {
             route["retry_policy"]["retriable_status_codes"],
             json!([500, 502, 503, 504])
         );
-        let host = &b["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-            ["typed_config"]["route_config"]["virtual_hosts"][0];
-        assert_eq!(host["include_attempt_count_in_response"], true);
     }
 
     #[test]

@@ -785,7 +785,8 @@ fn define_proxy(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
         |mut c: C<'_>, pptr: i32, plen: i32, ptr_ptr: i32, size_ptr: i32| -> Ret {
             c.data_mut().count("proxy_get_property");
             let path = try_status!(read(&mut c, pptr, plen));
-            let Some(value) = c.data().properties.get(&path).cloned() else {
+            let stream = stream_mut(&mut c).and_then(|s| s.properties.get(&path).cloned());
+            let Some(value) = stream.or_else(|| c.data().properties.get(&path).cloned()) else {
                 return st(Status::NotFound);
             };
             Ok(give(&mut c, &value, ptr_ptr, size_ptr)?.code())

@@ -51,6 +51,9 @@ pub struct StreamState {
     pub closed: bool,
     /// The context was deleted (`proxy_on_delete` ran).
     pub deleted: bool,
+    /// Attributes Envoy resolves per stream (`proxy_get_property` paths, segments joined by
+    /// NUL), read before the VM-wide ones: e.g. `upstream.request_attempt_count`.
+    pub properties: BTreeMap<Vec<u8>, Vec<u8>>,
 }
 
 impl StreamState {

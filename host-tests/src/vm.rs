@@ -637,6 +637,18 @@ impl Vm {
         Ok(action)
     }
 
+    /// Envoy's router made `n` tries for stream `id` (retries after the first): its
+    /// `upstream.request_attempt_count` attribute, 8 bytes little-endian as Envoy serializes
+    /// an integer, for the response callbacks to read. Without it the attribute is absent, as
+    /// in an Envoy older than 1.33.
+    pub fn set_attempt_count(&mut self, id: u32, n: u64) -> wasmtime::Result<()> {
+        self.stream_mut(id)?.properties.insert(
+            b"upstream\0request_attempt_count".to_vec(),
+            n.to_le_bytes().to_vec(),
+        );
+        Ok(())
+    }
+
     pub fn response_body(
         &mut self,
         id: u32,

@@ -48,6 +48,12 @@ extern "C" {
         value_size: usize,
     ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
@@ -143,6 +149,20 @@ pub fn get_header(map_type: MapType, key: &str) -> Result<Option<Vec<u8>>, u32> 
             &mut size,
         )
     };
+    match s {
+        OK => Ok(Some(take(data, size))),
+        NOT_FOUND => Ok(None),
+        other => Err(other),
+    }
+}
+
+/// A property of the stream (Envoy's attributes), its path's segments joined by NUL bytes as
+/// the ABI wants them (`b"upstream\0request_attempt_count"`); `Ok(None)` when the host has no
+/// such property (an older Envoy) or no value for it now.
+pub fn get_property(path: &[u8]) -> Result<Option<Vec<u8>>, u32> {
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: path is a live slice; valid out-pointers.
+    let s = unsafe { proxy_get_property(path.as_ptr(), path.len(), &mut data, &mut size) };
     match s {
         OK => Ok(Some(take(data, size))),
         NOT_FOUND => Ok(None),

@@ -21,7 +21,7 @@ use crate::abi;
 use crate::fallback::FallbackReason;
 use crate::host::{self, Metrics};
 use crate::root::{flush, SharedScheduler};
-use crate::scheduler::{Choice, Route};
+use crate::scheduler::{decode_attempt_count, Choice, Route, ATTEMPT_COUNT_PROPERTY};
 use crate::settings::is_routable;
 use crate::stats::{Event, StatNames};
 
@@ -236,14 +236,7 @@ impl HttpContext for Filter {
             .ok()
             .flatten()
             .and_then(|s| s.trim().parse::<u32>().ok());
-        // Set by Envoy's router when the virtual host has `include_attempt_count_in_response`.
-        let attempts = self.choice.as_ref().map_or(1, |_| {
-            abi::get_header_string(MapType::HttpResponseHeaders, "x-envoy-attempt-count")
-                .ok()
-                .flatten()
-                .and_then(|a| a.trim().parse::<u32>().ok())
-                .unwrap_or(1)
-        });
+        let attempts = self.choice.as_ref().map_or(1, |_| attempts());
         // The chosen endpoint's answer, the only one whose times teach its prefill rate and
         // decode hold: after a retry another replica answered, and Envoy's back-off waited.
         self.answered_ok = attempts <= 1 && status.is_some_and(|s| (200..300).contains(&s));
@@ -342,4 +335,17 @@ impl HttpContext for Filter {
     fn on_log(&mut self) {
         self.release();
     }
+}
+
+/// How many tries Envoy's router made for this response: Envoy's `upstream.request_attempt_count`
+/// attribute (Envoy 1.33 and later, so every Envoy this filter runs on, whatever the route's
+/// configuration; the `x-envoy-attempt-count` header needed `include_attempt_count_in_response`
+/// on the virtual host, which Envoy Gateway's policies do not offer). 1 when it is missing.
+fn attempts() -> u32 {
+    abi::get_property(ATTEMPT_COUNT_PROPERTY)
+        .ok()
+        .flatten()
+        .as_deref()
+        .and_then(decode_attempt_count)
+        .unwrap_or(1)
 }

@@ -93,6 +93,18 @@ impl Choice {
     }
 }
 
+/// Envoy's attribute for the tries its router made for a stream (`upstream.request_attempt_count`,
+/// Envoy 1.33 and later), as the ABI names a property path: its segments joined by NUL.
+pub const ATTEMPT_COUNT_PROPERTY: &[u8] = b"upstream\0request_attempt_count";
+
+/// The value of [`ATTEMPT_COUNT_PROPERTY`]: Envoy serializes an integer attribute as its 8
+/// bytes, little-endian (the host's order; every Envoy platform is little-endian). Anything
+/// else is not a count.
+pub fn decode_attempt_count(value: &[u8]) -> Option<u32> {
+    let bytes: [u8; 8] = value.try_into().ok()?;
+    Some(u32::try_from(u64::from_le_bytes(bytes)).unwrap_or(u32::MAX))
+}
+
 /// A discovered membership as this instance last applied it.
 #[derive(Debug, Clone, Default)]
 struct Pool {
@@ -603,7 +615,7 @@ impl<H: SharedData> Scheduler<H> {
     }
 
     /// The answer to a steered request came with HTTP `status` after `attempts` tries (Envoy's
-    /// `x-envoy-attempt-count`; the route retries refused connections, resets and server
+    /// `upstream.request_attempt_count`; the route retries refused connections, resets and server
     /// errors on the next endpoints of the destination header): the endpoints of the tries
     /// before the last failed, and the last one answered `status`. Server errors count towards
     /// taking an endpoint out of rotation for a while (core's [`outlier`]), a good answer
@@ -1343,6 +1355,20 @@ mod tests {
     use prefixroute_core::latency::{EndpointWork, RequestLedger};
     use prefixroute_core::metrics::ServerMetrics;
     use prefixroute_core::PrefixStore;
+
+    #[test]
+    fn an_attempt_count_is_read_from_envoys_eight_little_endian_bytes_and_nothing_else() {
+        assert_eq!(decode_attempt_count(&3u64.to_le_bytes()), Some(3));
+        assert_eq!(decode_attempt_count(&1u64.to_le_bytes()), Some(1));
+        assert_eq!(
+            decode_attempt_count(&u64::MAX.to_le_bytes()),
+            Some(u32::MAX)
+        );
+        // Text (the `x-envoy-attempt-count` header's form), a 4-byte integer, nothing.
+        for value in [&b"2"[..], &2u32.to_le_bytes(), b"", b"123456789"] {
+            assert_eq!(decode_attempt_count(value), None, "{value:?}");
+        }
+    }
 
     fn config(n: usize, policy: Policy) -> PluginConfig {
         PluginConfig {

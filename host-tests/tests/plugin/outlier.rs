@@ -101,13 +101,23 @@ fn when_every_endpoint_answers_server_errors_requests_still_get_a_destination() 
     assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 3);
 }
 
-#[test]
-fn tries_that_envoy_retried_away_count_against_their_endpoint() {
+/// How a response tells the plugin the tries Envoy's router made.
+#[derive(Clone, Copy)]
+enum AttemptCount {
+    /// Envoy's `upstream.request_attempt_count` attribute (Envoy 1.33 and later).
+    Attribute,
+    /// Only `x-envoy-attempt-count` (`include_attempt_count_in_response`): not what the
+    /// plugin reads.
+    Header,
+}
+
+/// Endpoint 2 fails every try it gets; Envoy's route retries on the next endpoint of the
+/// destination header, which answers, and the response reports the tries as `report` says.
+/// The client sees only successes. Returns how many requests tried each endpoint first, and
+/// the latency model's observations (used and refused).
+fn retried_away(report: AttemptCount) -> (Vec<usize>, host_tests::Host, i64) {
     let host = common::host();
     let mut vm = idle_fleet(&host);
-    // Endpoint 2 fails every try it gets; Envoy's route retries on the next endpoint of the
-    // destination header, which answers, and says so in `x-envoy-attempt-count`. The client
-    // sees only successes; the plugin still takes endpoint 2 out after five.
     let mut first_tries = vec![0; 3];
     for t in 0..90 {
         let x = vm
@@ -121,18 +131,39 @@ fn tries_that_envoy_retried_away_count_against_their_endpoint() {
         let attempts = if listed[0] == 2 { 2 } else { 1 };
         let mut h = Headers::new();
         h.add(":status", b"200");
-        h.add("x-envoy-attempt-count", attempts.to_string().as_bytes());
+        match report {
+            AttemptCount::Header => h.add("x-envoy-attempt-count", attempts.to_string().as_bytes()),
+            AttemptCount::Attribute => vm.set_attempt_count(x.id, attempts).unwrap(),
+        }
         vm.response_headers(x.id, h, false).unwrap();
         vm.response_body(x.id, b"{}", true).unwrap();
         vm.finish(x.id).unwrap();
         host.clock().advance_ms(10);
     }
-    assert_eq!(first_tries[2], 5, "{first_tries:?}");
-    assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 1);
-    // What endpoint 0 or 1 answered after a retry teaches nothing of endpoint 2's rate.
     let observed = host.stats().value("prefixroute.latency.observations")
         + host
             .stats()
             .value("prefixroute.latency.observations_refused");
+    (first_tries, host, observed)
+}
+
+#[test]
+fn tries_that_envoy_retried_away_count_against_their_endpoint() {
+    let (first_tries, host, observed) = retried_away(AttemptCount::Attribute);
+    // The plugin still takes endpoint 2 out after five.
+    assert_eq!(first_tries[2], 5, "{first_tries:?}");
+    assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 1);
+    // What endpoint 0 or 1 answered after a retry teaches nothing of endpoint 2's rate.
     assert_eq!(observed, 85);
+}
+
+#[test]
+fn the_attempt_count_header_alone_is_not_read() {
+    // The attribute is on every Envoy the plugin runs on (1.35 and later); the header needs
+    // the virtual host's `include_attempt_count_in_response`. A host that gave only the header
+    // would leave retried tries invisible: endpoint 2 seems to answer well every time.
+    let (first_tries, host, observed) = retried_away(AttemptCount::Header);
+    assert!(first_tries[2] > 5, "{first_tries:?}");
+    assert_eq!(host.stats().value("prefixroute.endpoint_ejected"), 0);
+    assert_eq!(observed, 90);
 }
