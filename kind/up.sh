@@ -177,7 +177,7 @@ render() {
 if [[ $variant == istio ]]; then
     manifests=(gateway envoyfilter)
 else
-    manifests=(gateway backend-traffic-policy extension-policy patch-policy)
+    manifests=(gateway client-traffic-policy backend-traffic-policy extension-policy patch-policy)
 fi
 for m in "${manifests[@]}"; do
     render "$here/$variant/$m.yaml" >"$tmp/$m.yaml"

@@ -23,6 +23,26 @@ fn the_pool() -> Value {
     find("base", "InferencePool", "vllm-sim")
 }
 
+/// A Kubernetes quantity of bytes as Envoy Gateway reads one (`32768`, `512Ki`, `5Mi`, `1Gi`).
+fn quantity_bytes(v: &Value) -> Option<u64> {
+    if let Some(n) = v.as_u64() {
+        return Some(n);
+    }
+    let s = v.as_str()?;
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let scale = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(scale)
+}
+
 /// Checks of the Envoy Gateway kinds whose CRDs are not in kind/crds.
 fn check_eg_policy(kind: &str, o: &Value) -> Vec<String> {
     let mut errs = Vec::new();
@@ -80,6 +100,14 @@ fn check_eg_policy(kind: &str, o: &Value) -> Vec<String> {
                 }
             }
         }
+        "ClientTrafficPolicy" => {
+            if quantity_bytes(&spec["connection"]["bufferLimit"]).is_none() {
+                errs.push(format!(
+                    "connection.bufferLimit {} is not a quantity",
+                    spec["connection"]["bufferLimit"]
+                ));
+            }
+        }
         _ => errs.push(format!("no checks for {kind}")),
     }
     errs
@@ -133,9 +161,10 @@ fn every_manifest_parses_and_validates() {
                 }
                 e
             }
-            ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy" | "EnvoyPatchPolicy") => {
-                check_eg_policy(kind, o)
-            }
+            (
+                "gateway.envoyproxy.io/v1alpha1",
+                "BackendTrafficPolicy" | "ClientTrafficPolicy" | "EnvoyPatchPolicy",
+            ) => check_eg_policy(kind, o),
             ("kind.x-k8s.io/v1alpha4", "Cluster") => Vec::new(),
             _ => vec![format!(
                 "no CRD in {} and no rule here for apiVersion {api_version:?} kind {kind:?}",
@@ -327,6 +356,61 @@ fn embedded_plugin_configs_discover_the_pool_cluster_and_list_no_endpoints() {
 
 /// The admin cluster each variant adds: a STATIC cluster on loopback at the data plane's
 /// admin port.
+#[test]
+fn both_gateways_buffer_a_prompt_as_large_as_the_plugin_reads() {
+    // The filter holds the body until its end; a held body past the listener's buffer limit
+    // is answered 413 by Envoy (Envoy Gateway's default limit is 32 KiB, Envoy's 1 MiB).
+    let max_body = plugin_base().max_body_bytes as u64;
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    let istio = filter["spec"]["configPatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["applyTo"] == "LISTENER")
+        .expect("Istio: a listener patch");
+    assert_eq!(istio["match"]["context"], "GATEWAY");
+    assert_eq!(istio["patch"]["operation"], "MERGE");
+    let istio_limit = istio["patch"]["value"]["per_connection_buffer_limit_bytes"]
+        .as_u64()
+        .expect("Istio: per_connection_buffer_limit_bytes");
+    let ctp = find(
+        "envoy-gateway",
+        "ClientTrafficPolicy",
+        "prefixroute-body-buffer",
+    );
+    assert_eq!(ctp["spec"]["targetRefs"][0]["kind"], "Gateway");
+    assert_eq!(ctp["spec"]["targetRefs"][0]["name"], "prefixroute");
+    let eg_limit = quantity_bytes(&ctp["spec"]["connection"]["bufferLimit"])
+        .expect("Envoy Gateway: connection.bufferLimit");
+    for (variant, limit) in [("istio", istio_limit), ("envoy-gateway", eg_limit)] {
+        // Room for the headers and a request's trailers beside the body, as `serve` leaves.
+        assert!(
+            limit >= max_body + (1 << 20),
+            "{variant}: buffer limit {limit} bytes, max_body_bytes {max_body}"
+        );
+    }
+    // up.sh applies the policy with the rest of the variant.
+    let up = std::fs::read_to_string(repo_root().join("kind/up.sh")).unwrap();
+    assert!(up.contains("client-traffic-policy"), "kind/up.sh");
+}
+
+#[test]
+fn a_quantity_is_read_with_its_binary_or_decimal_suffix_and_nothing_else() {
+    assert_eq!(quantity_bytes(&json!("5Mi")), Some(5 << 20));
+    assert_eq!(quantity_bytes(&json!("512Ki")), Some(512 << 10));
+    assert_eq!(quantity_bytes(&json!("2M")), Some(2_000_000));
+    assert_eq!(quantity_bytes(&json!(32768)), Some(32768));
+    for bad in [
+        json!("5MB"),
+        json!("Mi"),
+        json!("-1Mi"),
+        json!(null),
+        json!("1.5Mi"),
+    ] {
+        assert_eq!(quantity_bytes(&bad), None, "{bad}");
+    }
+}
+
 #[test]
 fn each_variant_reaches_its_own_admin_interface_on_loopback_and_retries_on_the_failover_list() {
     let filter = find("istio", "EnvoyFilter", "prefixroute");
