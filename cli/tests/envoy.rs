@@ -245,6 +245,48 @@ fn a_replica_whose_engine_died_costs_retries_until_five_failures_take_it_out() {
 
 #[test]
 #[ignore = "needs Envoy and the plugin build: run ./test.sh"]
+fn a_body_past_what_the_plugin_reads_and_envoys_buffer_is_forwarded_unread() {
+    // The plugin reads 64 KiB here, so `serve` gives the listener 1 MiB + 64 KiB of buffer.
+    // A 1.5 MiB prompt passes both: the plugin stops holding it at its limit and lets Envoy
+    // stream the rest to the fallback's replica, instead of Envoy answering 413.
+    let replicas: Vec<FakeServer> = (0..2)
+        .map(|i| {
+            FakeServer::start(
+                &format!("replica-{i}"),
+                &["--prefill-ms-per-token", "0.001"],
+            )
+        })
+        .collect();
+    let refs: Vec<&FakeServer> = replicas.iter().collect();
+    let envoy = serve(&refs, &["--max-body-bytes", "65536"]);
+    // ~38k words of 40 letters: far under the replicas' context, past both limits.
+    let word = "abcdefghijklmnopqrstuvwxyzabcdefghijklmn ";
+    let prompt = word.repeat((3 << 19) / word.len());
+    let body = serde_json::json!({
+        "model": "cc-sim",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string();
+    assert!(body.len() > (1 << 20) + 65536, "{} bytes", body.len());
+    let reply = http(envoy.port, "POST", "/v1/chat/completions", Some(&body));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let served = reply.header("x-served-by").expect("a replica answered");
+    assert!(served.starts_with("replica-"), "{served}");
+    assert_eq!(reply.header("x-prefixroute-policy"), Some("fallback"));
+    let stats = http(envoy.admin, "GET", "/stats", None).body;
+    assert!(
+        stats.contains("prefixroute.fallback.body_too_large: 1"),
+        "{stats}"
+    );
+    assert!(
+        stats.contains("http.llm.downstream_rq_too_large: 0"),
+        "{stats}"
+    );
+}
+
+#[test]
+#[ignore = "needs Envoy and the plugin build: run ./test.sh"]
 fn malformed_bodies_are_routed_not_failed_by_the_plugin() {
     let replicas = fleet(2);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
