@@ -129,8 +129,13 @@ fn hot_tenant_reaches_a_second_endpoint() {
 
 /// `n` fake replicas named replica-0, replica-1, …
 fn fleet(n: usize) -> Vec<FakeServer> {
+    fleet_with(n, &[])
+}
+
+/// [`fleet`] with `extra` `fake-server` arguments for each replica.
+fn fleet_with(n: usize, extra: &[&str]) -> Vec<FakeServer> {
     (0..n)
-        .map(|i| FakeServer::start(&format!("replica-{i}"), &[]))
+        .map(|i| FakeServer::start(&format!("replica-{i}"), extra))
         .collect()
 }
 
@@ -249,14 +254,7 @@ fn a_body_past_what_the_plugin_reads_and_envoys_buffer_is_forwarded_unread() {
     // The plugin reads 64 KiB here, so `serve` gives the listener 1 MiB + 64 KiB of buffer.
     // A 1.5 MiB prompt passes both: the plugin stops holding it at its limit and lets Envoy
     // stream the rest to the fallback's replica, instead of Envoy answering 413.
-    let replicas: Vec<FakeServer> = (0..2)
-        .map(|i| {
-            FakeServer::start(
-                &format!("replica-{i}"),
-                &["--prefill-ms-per-token", "0.001"],
-            )
-        })
-        .collect();
+    let replicas = fleet_with(2, &["--prefill-ms-per-token", "0.001"]);
     let refs: Vec<&FakeServer> = replicas.iter().collect();
     let envoy = serve(&refs, &["--max-body-bytes", "65536"]);
     // ~38k words of 40 letters: far under the replicas' context, past both limits.

@@ -23,6 +23,20 @@ fn the_pool() -> Value {
     find("base", "InferencePool", "vllm-sim")
 }
 
+/// The Istio EnvoyFilter's patch applied to `applies_to` (with `operation`, when given).
+fn istio_patch(applies_to: &str, operation: Option<&str>) -> Value {
+    let filter = find("istio", "EnvoyFilter", "prefixroute");
+    filter["spec"]["configPatches"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| {
+            p["applyTo"] == applies_to && operation.map_or(true, |op| p["patch"]["operation"] == op)
+        })
+        .unwrap_or_else(|| panic!("Istio: no {applies_to} {operation:?} patch"))
+        .clone()
+}
+
 /// A Kubernetes quantity of bytes as Envoy Gateway reads one (`32768`, `512Ki`, `5Mi`, `1Gi`).
 fn quantity_bytes(v: &Value) -> Option<u64> {
     if let Some(n) = v.as_u64() {
@@ -280,14 +294,7 @@ fn every_pattern_in_the_crds_compiles() {
 
 /// The plugin configurations embedded in the variants, as (where, JSON text).
 fn embedded_configs() -> Vec<(&'static str, String)> {
-    let filter = find("istio", "EnvoyFilter", "prefixroute");
-    let wasm_patch = filter["spec"]["configPatches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["applyTo"] == "HTTP_FILTER")
-        .expect("an HTTP_FILTER patch")
-        .clone();
+    let wasm_patch = istio_patch("HTTP_FILTER", None);
     let configuration = &wasm_patch["patch"]["value"]["typed_config"]["config"]["configuration"];
     assert_eq!(
         configuration["@type"],
@@ -361,13 +368,7 @@ fn both_gateways_buffer_a_prompt_as_large_as_the_plugin_reads() {
     // The filter holds the body until its end; a held body past the listener's buffer limit
     // is answered 413 by Envoy (Envoy Gateway's default limit is 32 KiB, Envoy's 1 MiB).
     let max_body = plugin_base().max_body_bytes as u64;
-    let filter = find("istio", "EnvoyFilter", "prefixroute");
-    let istio = filter["spec"]["configPatches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["applyTo"] == "LISTENER")
-        .expect("Istio: a listener patch");
+    let istio = istio_patch("LISTENER", None);
     assert_eq!(istio["match"]["context"], "GATEWAY");
     assert_eq!(istio["patch"]["operation"], "MERGE");
     let istio_limit = istio["patch"]["value"]["per_connection_buffer_limit_bytes"]
@@ -437,10 +438,7 @@ fn each_variant_reaches_its_own_admin_interface_on_loopback_and_retries_on_the_f
     }
     let failover = plugin_base().failover;
     assert!(failover > 0);
-    let route = patches
-        .iter()
-        .find(|p| p["applyTo"] == "HTTP_ROUTE")
-        .expect("Istio: a route retry patch");
+    let route = istio_patch("HTTP_ROUTE", None);
     assert_eq!(route["match"]["context"], "GATEWAY");
     let retry = &route["patch"]["value"]["route"]["retry_policy"];
     assert_eq!(retry["num_retries"], failover);
@@ -532,16 +530,9 @@ fn hex(bytes: &[u8]) -> String {
 
 #[test]
 fn istio_cluster_patch_targets_the_pool_shadow_service() {
-    let filter = find("istio", "EnvoyFilter", "prefixroute");
     let pool = the_pool();
     let name = pool["metadata"]["name"].as_str().unwrap();
-    let patch = filter["spec"]["configPatches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["applyTo"] == "CLUSTER" && p["patch"]["operation"] == "MERGE")
-        .expect("a CLUSTER MERGE patch")
-        .clone();
+    let patch = istio_patch("CLUSTER", Some("MERGE"));
     assert_eq!(
         patch["match"]["cluster"]["service"],
         format!("{}.{NS}.svc.cluster.local", shadow_service(name))
@@ -565,13 +556,7 @@ fn istio_cluster_patch_targets_the_pool_shadow_service() {
 fn the_filter_may_pause_for_the_body_in_both_variants() {
     // Istio: the full PluginConfig is in the EnvoyFilter.
     let filter = find("istio", "EnvoyFilter", "prefixroute");
-    let wasm = filter["spec"]["configPatches"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["applyTo"] == "HTTP_FILTER")
-        .unwrap()
-        .clone();
+    let wasm = istio_patch("HTTP_FILTER", None);
     assert_eq!(wasm["patch"]["operation"], "INSERT_BEFORE");
     assert_eq!(
         wasm["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"],
@@ -825,12 +810,7 @@ fn plugin_module_and_scrape_cluster_are_the_same_in_both_variants() {
     let fqdn = format!("prefixroute-wasm.{NS}.svc.cluster.local");
     let url = format!("http://{fqdn}:{port}/prefixroute.wasm");
 
-    let filter = find("istio", "EnvoyFilter", "prefixroute");
-    let patches = filter["spec"]["configPatches"].as_array().unwrap();
-    let wasm = patches
-        .iter()
-        .find(|p| p["applyTo"] == "HTTP_FILTER")
-        .unwrap();
+    let wasm = istio_patch("HTTP_FILTER", None);
     let remote = &wasm["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"];
     assert_eq!(remote["http_uri"]["uri"], url.as_str());
     assert_eq!(
@@ -843,11 +823,7 @@ fn plugin_module_and_scrape_cluster_are_the_same_in_both_variants() {
         url.as_str()
     );
 
-    let istio_cluster = patches
-        .iter()
-        .find(|p| p["applyTo"] == "CLUSTER" && p["patch"]["operation"] == "ADD")
-        .map(|p| p["patch"]["value"].clone())
-        .expect("the scrape cluster");
+    let istio_cluster = istio_patch("CLUSTER", Some("ADD"))["patch"]["value"].clone();
     let eg_cluster = find("envoy-gateway", "EnvoyPatchPolicy", "prefixroute")["spec"]
         ["jsonPatches"]
         .as_array()
