@@ -872,10 +872,13 @@ def run_cache(env, scenarios, routers, quick):
 # --------------------------------------------------------------------------------------------
 
 
-def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm"):
+def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm", line_words=0):
+    """`line_words`: a line break (`\\n` in the JSON) every that many words of the prompts; 0,
+    none (bench/chat.lua)."""
     argv = [env.wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "5s",
             "-s", BENCH / "chat.lua", f"{url}/v1/chat/completions"]
-    e = dict(os.environ, BODY_BYTES=str(body_bytes), COLD="1" if warmth == "cold" else "0")
+    e = dict(os.environ, BODY_BYTES=str(body_bytes), COLD="1" if warmth == "cold" else "0",
+             LINE_WORDS=str(line_words))
     r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=e,
                        timeout=duration_s + 60)
     line = next((l for l in r.stdout.splitlines() if l.startswith("WRK_JSON ")), None)
@@ -898,7 +901,8 @@ def cost_key(size, warmth):
     return f"{size // 1024}KB-{warmth}"
 
 
-def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("warm",)):
+def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("warm",),
+             line_words=0):
     """For each size and warmth, each system: a 1-connection run (unloaded latency) and a
     `connections`-connection run (throughput). Rounds alternate the order of the systems so
     that drift in the machine's load does not always favour the same one; the median of the
@@ -917,10 +921,12 @@ def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("war
                             continue
                         router = Router(env, kind, backends, f"cost-{key}")
                         try:
-                            wrk_run(env, router.url, size, connections, 1, warmth)  # warm-up
-                            lat = wrk_run(env, router.url, size, 1, duration_s, warmth)
+                            # warm-up
+                            wrk_run(env, router.url, size, connections, 1, warmth, line_words)
+                            lat = wrk_run(env, router.url, size, 1, duration_s, warmth,
+                                          line_words)
                             thr = wrk_run(env, router.url, size, connections, duration_s,
-                                          warmth)
+                                          warmth, line_words)
                             stats = router.plugin_stats()
                         finally:
                             router.close()
@@ -1111,12 +1117,15 @@ def report_cache_targets(entries):
     return "\n".join(lines)
 
 
-def report_cost(cost, duration_s, connections, rounds):
+def report_cost(cost, duration_s, connections, rounds, line_words=0):
+    breaks = (f" Prompts broken into lines of {line_words} words (a `\\n` escape each)."
+              if line_words else "")
     lines = [f"wrk -t1, {duration_s} s per run, median of {rounds} round(s); unloaded = 1 "
              f"connection (closed loop), loaded = {connections} connections. Envoy "
              f"--concurrency {ENVOY_CONCURRENCY}. Ratios are to Envoy ROUND_ROBIN in the same "
              f"run; added = minus Envoy RR. Warm: bodies cycle through 16 tenants x 4 "
-             f"questions; cold: a unique first line per request, so no block ever matches.",
+             f"questions; cold: a unique first line per request, so no block ever matches."
+             f"{breaks}",
              ""]
     for cell in cost.values():
         systems = cell["systems"]
@@ -1312,6 +1321,9 @@ def main():
                    help="cost body sizes in KB")
     p.add_argument("--warmth", default=",".join(COST_WARMTH),
                    help="cost prompts: warm (prefixes seen before), cold (never seen), or both")
+    p.add_argument("--line-words", type=int, default=0,
+                   help="cost prompts broken into lines of this many words (a JSON `\\n` "
+                        "escape each, as in most real prompts); 0 (default): one line")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="wait up to this many seconds for the 1-minute load average to drop "
                         "below --idle-load before starting")
@@ -1383,9 +1395,9 @@ def main():
             results["sweep"] = run_sweep(env, sweep_scenarios, sweep_routers, costs, quick)
         if "cost" in sections:
             results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
-                                       rounds, cost_warmth)
+                                       rounds, cost_warmth, args.line_words)
             results["cost_settings"] = {"duration_s": duration, "connections": connections,
-                                        "rounds": rounds}
+                                        "rounds": rounds, "line_words": args.line_words}
         if "scale" in sections:
             results["scale"] = run_scale(quick)
     finally:
@@ -1469,7 +1481,7 @@ def main():
                 plugin_problems(f"cost/{key}/{kind}", stats or {})
     if "cost" in results:
         md += ["## Cost per request", "",
-               report_cost(results["cost"], duration, connections, rounds)]
+               report_cost(results["cost"], duration, connections, rounds, args.line_words)]
         entries = cost_targets(results["cost"])
         results["cost_targets"] = entries
         if entries:

@@ -9,12 +9,16 @@
 -- before the tenant's system prompt, so no block of it ever matches (every new conversation,
 -- batch job or agent looks like this to a prefix router). Those bodies are built per request.
 --
---   BODY_BYTES=8192 [COLD=1] wrk -t1 -c32 -d10s -s bench/chat.lua http://127.0.0.1:PORT/v1/chat/completions
+-- LINE_WORDS=N breaks the text into lines of N words: a line break, which JSON escapes as `\n`,
+-- every N words (most real prompts: markdown, code, documents). Unset or 0: one line.
+--
+--   BODY_BYTES=8192 [COLD=1] [LINE_WORDS=12] wrk -t1 -c32 -d10s -s bench/chat.lua http://127.0.0.1:PORT/v1/chat/completions
 
 local body_bytes = tonumber(os.getenv("BODY_BYTES") or "8192")
 local tenants = tonumber(os.getenv("TENANTS") or "16")
 local questions = tonumber(os.getenv("QUESTIONS") or "4")
 local cold = os.getenv("COLD") == "1"
+local line_words = tonumber(os.getenv("LINE_WORDS") or "0")
 
 local words = {
   "account", "billing", "cache", "cluster", "customer", "deploy", "gateway", "invoice",
@@ -24,16 +28,29 @@ local words = {
   "of", "to", "and", "for", "with", "each", "every", "your",
 }
 
--- Deterministic text of exactly n bytes (a linear congruential generator picks the words).
+-- Deterministic text of n bytes as it is written in JSON (a linear congruential generator
+-- picks the words), with a line break every LINE_WORDS words.
 local function text(seed, n)
   local parts, len, x = {}, 0, seed
   while len < n do
     x = (x * 1103515245 + 12345) % 2147483648
     local w = words[(x % #words) + 1]
-    parts[#parts + 1] = w
+    if #parts == 0 then
+      parts[1] = w
+    elseif line_words > 0 and #parts % line_words == 0 then
+      parts[#parts + 1] = "\\n" .. w
+      len = len + 1
+    else
+      parts[#parts + 1] = " " .. w
+    end
     len = len + #w + 1
   end
-  return string.sub(table.concat(parts, " "), 1, n)
+  local s = string.sub(table.concat(parts), 1, n)
+  -- Cut inside an escape, the text would escape the quote that closes it.
+  if string.sub(s, -1) == "\\" then
+    s = string.sub(s, 1, -2)
+  end
+  return s
 end
 
 local requests = {}

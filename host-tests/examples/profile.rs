@@ -9,7 +9,9 @@
 //! agent's or a long chat's history, one boundary per message). TEXT `ja` (default `ascii`)
 //! puts three Japanese characters before every word after the first: 9 of every ~13 bytes of
 //! the prompt are then non-ASCII, and each such character is a token of its own (the plugin's
-//! default `non_ascii: pieces`), so there are about four times the tokens. Cold: each request a
+//! default `non_ascii: pieces`), so there are about four times the tokens. TEXT `lines` breaks
+//! the line every twelve words: a `\n` escape every ~50 bytes of the body, as in most real
+//! prompts (markdown, code, documents). Cold: each request a
 //! new tenant's system prompt (no block matches); warm: one tenant's, a new question each. The
 //! bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -38,6 +40,17 @@
 //!   target/release/examples/profile 1024 warm 200 64 130
 //! ```
 use host_tests::{Host, Request};
+
+/// What the prompt's words are written in.
+#[derive(Clone, Copy)]
+enum Text {
+    Ascii,
+    /// Three Japanese characters before every word after the first.
+    Japanese,
+    /// ASCII with a line break every twelve words (an escape in the JSON every ~50 bytes, as
+    /// in most real prompts: the benchmark bodies have none).
+    Lines,
+}
 
 fn main() {
     if let Err(e) = run() {
@@ -85,10 +98,11 @@ fn run() -> Result<(), String> {
             .map_err(|_| format!("MESSAGES must be a number, not {m:?}"))?,
         None => 1,
     };
-    let japanese = match args.get(6).map(String::as_str) {
-        None | Some("ascii") => false,
-        Some("ja") => true,
-        Some(other) => return Err(format!("TEXT must be ascii or ja, not {other:?}")),
+    let text = match args.get(6).map(String::as_str) {
+        None | Some("ascii") => Text::Ascii,
+        Some("ja") => Text::Japanese,
+        Some("lines") => Text::Lines,
+        Some(other) => return Err(format!("TEXT must be ascii, ja or lines, not {other:?}")),
     };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
@@ -109,13 +123,24 @@ fn run() -> Result<(), String> {
         } else {
             host_tests::bench::body(tenant, tokens, &question)
         };
-        let body = if japanese {
-            // Only inside the contents: the JSON around them has no " w".
-            String::from_utf8_lossy(&body)
+        // Only inside the contents: the JSON around them has no " w".
+        let body = match text {
+            Text::Ascii => body,
+            Text::Japanese => String::from_utf8_lossy(&body)
                 .replace(" w", " 日本語w")
-                .into_bytes()
-        } else {
-            body
+                .into_bytes(),
+            Text::Lines => {
+                // Every twelfth space a line break, as JSON escapes it.
+                let json = String::from_utf8_lossy(&body);
+                let mut lines = String::with_capacity(json.len());
+                for (i, part) in json.split(" w").enumerate() {
+                    if i > 0 {
+                        lines.push_str(if i % 12 == 0 { "\\nw" } else { " w" });
+                    }
+                    lines.push_str(part);
+                }
+                lines.into_bytes()
+            }
         };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=
