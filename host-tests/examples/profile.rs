@@ -129,18 +129,7 @@ fn run() -> Result<(), String> {
             Text::Japanese => String::from_utf8_lossy(&body)
                 .replace(" w", " 日本語w")
                 .into_bytes(),
-            Text::Lines => {
-                // Every twelfth space a line break, as JSON escapes it.
-                let json = String::from_utf8_lossy(&body);
-                let mut lines = String::with_capacity(json.len());
-                for (i, part) in json.split(" w").enumerate() {
-                    if i > 0 {
-                        lines.push_str(if i % 12 == 0 { "\\nw" } else { " w" });
-                    }
-                    lines.push_str(part);
-                }
-                lines.into_bytes()
-            }
+            Text::Lines => host_tests::bench::in_lines(&body, host_tests::bench::LINE_WORDS),
         };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=

@@ -1,5 +1,5 @@
 //! The cost benchmark: instructions and host calls per routed request, by prompt size, cache
-//! state and endpoint count. Counts, not timings: they are exact and repeat run to run, so they
+//! state, text (one line or lines) and endpoint count. Counts, not timings: they are exact and repeat run to run, so they
 //! serve as a regression budget. Run by `cargo bench -p host-tests` and, without building
 //! wasmtime under the release profile, by `cargo run -p host-tests --example costs`.
 
@@ -16,6 +16,8 @@ pub struct Row {
     pub tokens: usize,
     pub blocks: usize,
     pub warm: bool,
+    /// The prompt broken into lines ([`in_lines`]).
+    pub lines: bool,
     /// `x-prefixroute-match` of the request.
     pub matched: String,
     pub body_bytes: usize,
@@ -74,6 +76,27 @@ pub fn body(tenant: usize, tokens: usize, question: &str) -> Vec<u8> {
     })
     .to_string()
     .into_bytes()
+}
+
+/// Words per line of [`in_lines`] in the cost table: a line break every ~50 bytes of its
+/// prompts.
+pub const LINE_WORDS: usize = 12;
+
+/// `body` (one of [`body`] or [`conversation`]) with its contents broken into lines: every
+/// `words`-th space between words a line break, which the JSON writes `\n`. Most real prompts
+/// are lines (markdown, code, documents, a chat's history), and each escape is a stop for the
+/// plugin's reader; the bodies above have none.
+pub fn in_lines(body: &[u8], words: usize) -> Vec<u8> {
+    // Only inside the contents: the JSON around them has no " w".
+    let json = String::from_utf8_lossy(body);
+    let mut lines = String::with_capacity(json.len());
+    for (i, part) in json.split(" w").enumerate() {
+        if i > 0 {
+            lines.push_str(if i % words.max(1) == 0 { "\\nw" } else { " w" });
+        }
+        lines.push_str(part);
+    }
+    lines.into_bytes()
 }
 
 /// [`body`] as a conversation: the same system prompt's words spread over `messages` messages
@@ -140,17 +163,38 @@ pub fn run() -> wasmtime::Result<(Vec<Row>, Vec<TickRow>)> {
             idle_tick,
             response,
         });
-        for (t, &tokens) in TOKENS.iter().enumerate() {
-            let cold_body = body(2 * t, tokens, "What changed in my last invoice?");
-            let cold = vm.round_trip(&Request::chat(cold_body.clone()))?;
-            rows.push(row(n, tokens, false, &cold_body, &cold));
-            // Another tenant: its first two requests warm the prefix (the router's index and
-            // the hash memo, which remembers a message met twice), the third is measured.
-            vm.round_trip(&Request::chat(body(2 * t + 1, tokens, "first question")))?;
-            vm.round_trip(&Request::chat(body(2 * t + 1, tokens, "second question")))?;
-            let warm_body = body(2 * t + 1, tokens, "What changed in my last invoice?");
-            let warm = vm.round_trip(&Request::chat(warm_body.clone()))?;
-            rows.push(row(n, tokens, true, &warm_body, &warm));
+        // Prompts in lines at the first endpoint count only: what they add does not depend on
+        // the pool.
+        let texts: &[bool] = if n == ENDPOINTS[0] {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &lines in texts {
+            let text = |tenant: usize, tokens: usize, question: &str| {
+                let b = body(tenant, tokens, question);
+                if lines {
+                    in_lines(&b, LINE_WORDS)
+                } else {
+                    b
+                }
+            };
+            // Tenants of their own per text, so that no prompt in lines finds a one-line one.
+            let tenant0 = if lines { 2 * TOKENS.len() } else { 0 };
+            for (t, &tokens) in TOKENS.iter().enumerate() {
+                let (cold_tenant, warm_tenant) = (tenant0 + 2 * t, tenant0 + 2 * t + 1);
+                let cold_body = text(cold_tenant, tokens, "What changed in my last invoice?");
+                let cold = vm.round_trip(&Request::chat(cold_body.clone()))?;
+                rows.push(row(n, tokens, false, lines, &cold_body, &cold));
+                // Another tenant: its first two requests warm the prefix (the router's index
+                // and the hash memo, which remembers a message met twice), the third is
+                // measured.
+                vm.round_trip(&Request::chat(text(warm_tenant, tokens, "first question")))?;
+                vm.round_trip(&Request::chat(text(warm_tenant, tokens, "second question")))?;
+                let warm_body = text(warm_tenant, tokens, "What changed in my last invoice?");
+                let warm = vm.round_trip(&Request::chat(warm_body.clone()))?;
+                rows.push(row(n, tokens, true, lines, &warm_body, &warm));
+            }
         }
         if let Some(why) = vm.trapped() {
             wasmtime::bail!("the plugin trapped: {why}");
@@ -174,7 +218,14 @@ fn subtract(total: &mut Costs, before: &Costs) {
     total.shared_bytes_out -= before.shared_bytes_out;
 }
 
-fn row(n: usize, target: usize, warm: bool, body: &[u8], rt: &crate::RoundTrip) -> Row {
+fn row(
+    n: usize,
+    target: usize,
+    warm: bool,
+    lines: bool,
+    body: &[u8],
+    rt: &crate::RoundTrip,
+) -> Row {
     let parsed = prefixroute_core::parse_request(body).expect("benchmark bodies parse");
     let hashes = prefixroute_core::hashing::hash_request(
         &parsed,
@@ -190,6 +241,7 @@ fn row(n: usize, target: usize, warm: bool, body: &[u8], rt: &crate::RoundTrip) 
         tokens: hashes.total_tokens(),
         blocks: hashes.total_blocks(),
         warm,
+        lines,
         matched: rt
             .response_header("x-prefixroute-match")
             .unwrap_or_default(),
@@ -214,8 +266,8 @@ fn thousands(n: u64) -> String {
 pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
     let mut out = String::new();
     out += "Per routed request (all callbacks of its HTTP context: headers, body, response, log, done, delete):\n\n";
-    out += "| endpoints | prompt | tokens | blocks | cache | match | instructions | of which body phase | host calls | shared gets | shared sets | shared bytes in | shared bytes out | body bytes |\n";
-    out += "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    out += "| endpoints | prompt | text | tokens | blocks | cache | match | instructions | of which body phase | host calls | shared gets | shared sets | shared bytes in | shared bytes out | body bytes |\n";
+    out += "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for r in rows {
         let t = &r.costs.total;
         let body_fuel = r
@@ -224,13 +276,14 @@ pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
             .get("proxy_on_request_body")
             .map_or(0, |c| c.fuel);
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.endpoints,
             if r.target_tokens < 1024 {
                 r.target_tokens.to_string()
             } else {
                 format!("{}k", r.target_tokens / 1024)
             },
+            if r.lines { "lines" } else { "one line" },
             r.tokens,
             r.blocks,
             if r.warm { "warm" } else { "cold" },
