@@ -332,6 +332,66 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
     assert_eq!((routed, refused), (13 * 80, 10 * 80));
 }
 
+/// The same text spelled with escapes and without is the same prompt: the plugin decodes a
+/// content it has not met (finding each escape with the reader's SIMD scan) before hashing
+/// it. So a prompt whose content escapes characters (`\u00e9\/`, `\u000a`, `\"\\\n\t`), at
+/// every offset across the scan's 16- and 64-byte steps, sent after the same text spelled
+/// otherwise (`é/` written out, the other escapes of the same characters), must match all its
+/// full blocks, as an exact repeat does. A decoding that lost, kept or misplaced a byte would
+/// hash other text and match less.
+#[test]
+fn a_content_with_escapes_hashes_as_the_same_text_written_out() {
+    use prefixroute_core::hashing::{hash_request, HashConfig};
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({})));
+    // (escaped, written out): the second is the JSON of the same characters.
+    let spellings: [(&[u8], &[u8]); 3] = [
+        (br"\u00e9\/", "é/".as_bytes()),
+        (br"\u000a", br"\n"),
+        (br#"\"\\\n\t"#, br#"\"\u005c\u000A\u0009"#),
+    ];
+    let filler = b"abc de fghij, klm nopq rstu vwxyz. ".repeat(5);
+    for (s, (escaped, written)) in spellings.iter().enumerate() {
+        for offset in 0..150 {
+            let body = |special: &[u8]| {
+                let mut body = format!(
+                    r#"{{"model":"m","messages":[{{"role":"system","content":"spelling {s} at {offset}: {}"}},{{"role":"user","content":""#,
+                    String::from_utf8_lossy(&filler[..offset])
+                )
+                .into_bytes();
+                body.extend_from_slice(special);
+                body.extend_from_slice(&filler[offset..]);
+                body.extend_from_slice(special);
+                body.extend_from_slice(br#""}]}"#);
+                body
+            };
+            let what = format!("spelling {s} at {offset}");
+            let parsed = prefixroute_core::parse_request(&body(written)).unwrap();
+            let hashes = hash_request(&parsed, HashConfig::default());
+            // A repeat matches the full blocks (what a server caches), not the partial last.
+            let full = hashes.total_tokens() / HashConfig::default().block_size;
+            let first = vm.round_trip(&Request::chat(body(written))).unwrap();
+            assert_eq!(
+                first.response_header("x-prefixroute-match"),
+                Some(format!("0/{}", hashes.total_blocks())),
+                "{what}"
+            );
+            let again = vm.round_trip(&Request::chat(body(escaped))).unwrap();
+            assert!(vm.trapped().is_none(), "{what}: {:?}", vm.trapped());
+            assert_eq!(
+                again.response_header("x-prefixroute-fallback"),
+                None,
+                "{what}"
+            );
+            assert_eq!(
+                again.response_header("x-prefixroute-match"),
+                Some(format!("{full}/{}", hashes.total_blocks())),
+                "{what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn bad_input_never_traps_and_always_gets_a_destination() {
     let host = common::host();
