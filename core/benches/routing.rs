@@ -5,11 +5,11 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefixroute_core::hashing::{
-    chain_hashes, chain_seed, hash_chat_memo_into, hash_request, ChainMemo, HashConfig,
+    chain_hashes, chain_seed, hash_raw_memo_into, hash_request, ChainMemo, HashConfig,
 };
 use prefixroute_core::index::{PrefixIndex, PrefixStore};
 use prefixroute_core::request::parse_request;
-use prefixroute_core::request::read_chat;
+use prefixroute_core::request::read_request;
 use prefixroute_core::router::{EndpointLoad, Router, RouterConfig};
 use prefixroute_core::tokenizer::tokenize;
 use prefixroute_core::BlockHashes;
@@ -43,14 +43,14 @@ fn tokenize_and_hash(c: &mut Criterion) {
         // The plugin's path: the body read in place, every message flattened and tokenized
         // (an empty memo: a prompt never seen, the cold request of issue 12).
         group.bench_with_input(
-            BenchmarkId::new("read_chat+tokenize+hash, cold", format!("{kib}KiB")),
+            BenchmarkId::new("read_request+tokenize+hash, cold", format!("{kib}KiB")),
             &body,
             |b, body| {
                 let mut out = BlockHashes::default();
                 b.iter(|| {
-                    let chat = read_chat(black_box(body)).unwrap();
+                    let request = read_request(black_box(body)).unwrap();
                     let mut memo = ChainMemo::new(0);
-                    hash_chat_memo_into(&chat, HashConfig::default(), &mut memo, &mut out);
+                    hash_raw_memo_into(&request, HashConfig::default(), &mut memo, &mut out);
                     out.total_blocks()
                 })
             },

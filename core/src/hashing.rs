@@ -9,7 +9,7 @@
 
 use xxhash_rust::xxh64::{xxh64, Xxh64};
 
-use crate::request::{ParsedRequest, Prompt, RawChat};
+use crate::request::{ParsedRequest, Prompt, RawPrompt, RawRequest};
 use crate::tokenizer::{cut_blocks, for_each_token_at, for_each_token_stopped, NonAscii, Stopped};
 
 /// What a block's hash is made of, besides the block before it. The blocks are cut alike either
@@ -534,28 +534,34 @@ pub fn hash_request_memo_into(
     hash_request_into(request, config, Some(memo), out);
 }
 
-/// [`hash_request_memo_into`] for a chat body read in place ([`crate::request::read_chat`]):
-/// the same chain, marks and token count as for `parse_request` of the same body, but a
-/// message the memo holds is looked up by its bytes as they lie in the body and is never
-/// decoded (see `request/raw.rs` for what that saves).
-pub fn hash_chat_memo_into(
-    chat: &RawChat,
+/// [`hash_request_memo_into`] for a chat or completions body read in place
+/// ([`crate::request::read_request`]): the same chain, marks and token count as for
+/// `parse_request` of the same body, but a message (or prompt) the memo holds is looked up by
+/// its bytes as they lie in the body and is never decoded (see `request/raw.rs` for what that
+/// saves).
+pub fn hash_raw_memo_into(
+    request: &RawRequest,
     config: HashConfig,
     memo: &mut ChainMemo,
     out: &mut BlockHashes,
 ) {
-    let seed = chain_seed(chat.model, chat.cache_salt.unwrap_or(""));
+    let seed = chain_seed(request.model, request.cache_salt.unwrap_or(""));
     out.reset(1, config.block_size.max(1));
     let (blocks, marks) = (&mut out.chains[0], &mut out.marks[0]);
     let mut chain = Chainer::new(seed, config);
     // Taken out of the memo while it is borrowed for the lookups, and put back.
     let mut scratch = std::mem::take(&mut memo.scratch);
-    for (i, message) in chat.messages.iter().enumerate() {
-        // As `chain_text_memo`: a mark at every message's start but the first.
-        if i > 0 {
-            chain.mark(marks);
+    match &request.prompt {
+        RawPrompt::Messages(messages) => {
+            for (i, message) in messages.iter().enumerate() {
+                // As `chain_text_memo`: a mark at every message's start but the first.
+                if i > 0 {
+                    chain.mark(marks);
+                }
+                memo.chain_raw(message, &mut chain, blocks, &mut scratch);
+            }
         }
-        memo.chain_raw(message, &mut chain, blocks, &mut scratch);
+        RawPrompt::Text(text) => memo.chain_raw_text(*text, &mut chain, blocks, &mut scratch),
     }
     memo.scratch = scratch;
     let count = chain.finish(blocks);
@@ -751,8 +757,8 @@ mod tests {
         for _ in 0..2 {
             hash_request_memo_into(&req, config, &mut memo, &mut out);
             assert_eq!(out.marks, vec![kept.clone()]);
-            let chat = crate::request::read_chat(body.as_bytes()).unwrap();
-            hash_chat_memo_into(&chat, config, &mut memo, &mut out);
+            let chat = crate::request::read_request(body.as_bytes()).unwrap();
+            hash_raw_memo_into(&chat, config, &mut memo, &mut out);
             assert_eq!(out.marks, vec![kept.clone()]);
         }
     }

@@ -73,7 +73,7 @@ mod raw;
 mod tree_walk;
 mod visit;
 
-pub use raw::{read_chat, JsonStr, RawChat, RawMessage};
+pub use raw::{read_request, JsonStr, RawMessage, RawPrompt, RawRequest};
 
 use serde::de::DeserializeSeed;
 use visit::{BodyFields, BodySeed, Chat, Scalar};
@@ -431,7 +431,7 @@ mod tests {
         fn a_chat_read_in_place_is_one_parse_request_reads_the_same(body in body_strategy()) {
             let bytes = serde_json::to_vec(&body).unwrap();
             for body in [&bytes[..], &bytes[..bytes.len() / 2]] {
-                if let Some(chat) = read_chat(body) {
+                if let Some(chat) = read_request(body) {
                     let parsed = parse_request(body);
                     proptest::prop_assert!(parsed.is_ok(), "read in place, refused by serde: {:?}", parsed);
                     raw::tests::assert_same_request(&chat, &parsed.unwrap())?;

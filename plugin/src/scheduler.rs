@@ -7,11 +7,11 @@ use prefixroute_core::config::{IndexMode, PluginConfig};
 use prefixroute_core::discovery::{members_of, Change, Member};
 use prefixroute_core::feed::FeedPage;
 use prefixroute_core::hashing::{
-    hash_chat_memo_into, hash_request_memo_into, BlockHashes, ChainMemo, HashConfig,
+    hash_raw_memo_into, hash_request_memo_into, BlockHashes, ChainMemo, HashConfig,
 };
 use prefixroute_core::latency::{scaled_capacity, Observation, Prediction};
 use prefixroute_core::outlier::{Answered, OutlierState};
-use prefixroute_core::request::read_chat;
+use prefixroute_core::request::read_request;
 use prefixroute_core::scorer::estimate_load;
 use prefixroute_core::{parse_request, EndpointLoad, Policy, Router};
 
@@ -328,11 +328,12 @@ impl<H: SharedData> Scheduler<H> {
         // Taken out for this route and put back at its end (an early return only loses the
         // vectors' room).
         let mut hashes = std::mem::take(&mut self.hashes);
-        // A chat body of the common shape is read where it lies (its messages are decoded only
-        // if the memo does not hold them); any other body is parsed. Both give the same hashes.
-        let streamed = if let Some(chat) = read_chat(body) {
-            hash_chat_memo_into(&chat, self.hash, &mut self.memo, &mut hashes);
-            chat.stream
+        // A chat or completions body of the common shape is read where it lies (its messages,
+        // or its prompt, are decoded only if the memo does not hold them); any other body is
+        // parsed. Both give the same hashes.
+        let streamed = if let Some(request) = read_request(body) {
+            hash_raw_memo_into(&request, self.hash, &mut self.memo, &mut hashes);
+            request.stream
         } else {
             match parse_request(body) {
                 Ok(request) => {

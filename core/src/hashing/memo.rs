@@ -30,11 +30,15 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::fixed::xxh64_pair;
 use super::{Chainer, Partial};
-use crate::request::RawMessage;
+use crate::request::{JsonStr, RawMessage};
 use crate::tokenizer::Stopped;
 
 /// Mixed into the seed of the keys of messages read in place (see [`ChainMemo::chain_raw`]).
 const RAW_KEYS: u64 = 0x7261_775f_6b65_7973;
+/// Mixed into the seed of the keys of completions prompts read in place
+/// ([`ChainMemo::chain_raw_text`]): their bytes as written must never key a decoded text that
+/// has the same bytes (`a\nb` written out is another text than `a\nb` decoded).
+const RAW_TEXT_KEYS: u64 = 0x7261_775f_7465_7874;
 
 /// Messages shorter than this are hashed directly: a lookup would cost about what it saves.
 pub const MIN_MESSAGE_BYTES: usize = 256;
@@ -194,6 +198,35 @@ impl ChainMemo {
         let key = message_key(content, role);
         self.chain_keyed(key, bytes, chain, out, |chain, out| {
             flatten(scratch);
+            chain.push_stopped(Stopped::stop(scratch), out);
+        });
+    }
+
+    /// [`ChainMemo::chain`] for a completions prompt read in place: keyed by its bytes as they
+    /// are in the body (seeded apart from both kinds of message keys), decoded into `scratch`
+    /// only when it has to be tokenized.
+    pub(super) fn chain_raw_text(
+        &mut self,
+        text: JsonStr,
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        scratch: &mut Vec<u8>,
+    ) {
+        let raw = text.raw();
+        let decode = |scratch: &mut Vec<u8>| {
+            scratch.clear();
+            // Escapes only shorten it; and the tokenizer's stop byte after it.
+            scratch.reserve(raw.len() + 1);
+            text.decode_into(scratch);
+        };
+        if raw.len() < MIN_MESSAGE_BYTES {
+            decode(scratch);
+            chain.push_stopped(Stopped::stop(scratch), out);
+            return;
+        }
+        let key = message_key(raw, chain.state_key() ^ RAW_TEXT_KEYS);
+        self.chain_keyed(key, raw.len(), chain, out, |chain, out| {
+            decode(scratch);
             chain.push_stopped(Stopped::stop(scratch), out);
         });
     }

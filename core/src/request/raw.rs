@@ -1,18 +1,19 @@
-//! A chat body read where it lies: the routing fields, and each message's content as the bytes
-//! between its JSON string's quotes.
+//! A chat or completions body read where it lies: the routing fields, and each message's
+//! content (or the completions `prompt`) as the bytes between its JSON string's quotes.
 //!
 //! [`parse_request`](super::parse_request) decodes every message into one prompt string:
 //! serde_json scans each string for its end, checks that it is UTF-8 and copies it, about 9
 //! wasm instructions per byte before the prompt is tokenized or looked up in the memo of
 //! messages hashed before. A warm request (every long message in that memo) needs none of it:
-//! only each message's extent, checked, and a key of its bytes. [`read_chat`] finds and checks
+//! only each message's extent, checked, and a key of its bytes. [`read_request`] finds and checks
 //! the contents eight bytes at a time and keeps them as they are in the body; the hashing
-//! decodes a content only when the memo does not hold it (`hashing::hash_chat_memo_into`).
+//! decodes a content only when the memo does not hold it (`hashing::hash_raw_memo_into`).
 //!
 //! It reads the common shape only and declines (`None`) everything else, for
 //! [`parse_request`](super::parse_request) to read as before: a body whose answer it is not
 //! sure to give exactly (a key or role with escapes, content as a list of parts, a repeated
-//! routing key, `prompt`, a number that is not a plain integer, deep nesting) or that is wrong
+//! routing key, a `prompt` that is not one string, both `messages` and `prompt`, a number
+//! that is not a plain integer, deep nesting) or that is wrong
 //! (not JSON, a field of the wrong type). Whatever it accepts, `parse_request` accepts too and
 //! reads the same fields and text from (property-tested). So it is at least as strict as
 //! serde_json everywhere: a string with invalid UTF-8, a control character, a bad escape or a
@@ -123,22 +124,33 @@ pub struct RawMessage<'a> {
     pub content: Option<JsonStr<'a>>,
 }
 
-/// The routing fields of a chat body, read in place (see the module documentation).
+/// The routing fields of a chat or completions body, read in place (see the module
+/// documentation).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RawChat<'a> {
+pub struct RawRequest<'a> {
     pub model: &'a str,
     pub cache_salt: Option<&'a str>,
     pub stream: bool,
     pub max_tokens: Option<u32>,
-    pub messages: Vec<RawMessage<'a>>,
+    pub prompt: RawPrompt<'a>,
+}
+
+/// What a body read in place asks the model to go on from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RawPrompt<'a> {
+    /// A chat's messages (at least one).
+    Messages(Vec<RawMessage<'a>>),
+    /// A completions `prompt` that is one string (a list of them, or token ids, is left to
+    /// `parse_request`).
+    Text(JsonStr<'a>),
 }
 
 /// Nesting deeper than this is declined (serde_json refuses past 128).
 const MAX_DEPTH: usize = 64;
 
-/// Reads a chat body of the common shape, or `None` for [`parse_request`](super::parse_request)
-/// to read (see the module documentation).
-pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
+/// Reads a chat or completions body of the common shape, or `None` for
+/// [`parse_request`](super::parse_request) to read (see the module documentation).
+pub fn read_request(body: &[u8]) -> Option<RawRequest<'_>> {
     let mut r = Reader { bytes: body, at: 0 };
     r.skip_ws();
     let mut model = None;
@@ -147,6 +159,7 @@ pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
     let mut max_tokens = None;
     let mut max_completion_tokens = None;
     let mut messages: Option<Vec<RawMessage>> = None;
+    let mut prompt = None;
     r.object(|r, key| match key {
         b"model" => once(&mut model, r.plain_str_or_null()?),
         b"cache_salt" => once(&mut cache_salt, r.plain_str_or_null()?),
@@ -154,6 +167,8 @@ pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
         b"max_tokens" => once(&mut max_tokens, r.u32_or_null()?),
         b"max_completion_tokens" => once(&mut max_completion_tokens, r.u32_or_null()?),
         b"messages" => once(&mut messages, r.messages()?),
+        // A string only (`parse_request` reads the other shapes); `null` is declined too.
+        b"prompt" if r.peek() == Some(b'"') => once(&mut prompt, r.string()?),
         b"prompt" => None,
         _ => r.skip_value(1),
     })?;
@@ -161,14 +176,19 @@ pub fn read_chat(body: &[u8]) -> Option<RawChat<'_>> {
     if r.at != body.len() {
         return None;
     }
-    let messages = messages.filter(|m| !m.is_empty())?;
-    Some(RawChat {
+    // `parse_request` reads the messages where both are given: declined, not to be sure of it.
+    let prompt = match (messages, prompt) {
+        (Some(messages), None) if !messages.is_empty() => RawPrompt::Messages(messages),
+        (None, Some(text)) => RawPrompt::Text(text),
+        _ => return None,
+    };
+    Some(RawRequest {
         model: model.flatten().unwrap_or(""),
         cache_salt: cache_salt.flatten(),
         stream: stream.flatten().unwrap_or(false),
         // As parse_request: `max_completion_tokens` (even `null`) before `max_tokens`.
         max_tokens: max_completion_tokens.or(max_tokens).flatten(),
-        messages,
+        prompt,
     })
 }
 
@@ -558,13 +578,13 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::hashing::{hash_chat_memo_into, hash_request, BlockHashes, ChainMemo, HashConfig};
+    use crate::hashing::{hash_raw_memo_into, hash_request, BlockHashes, ChainMemo, HashConfig};
     use crate::request::{parse_request, ParsedRequest, Prompt};
     use proptest::prelude::*;
 
     /// `chat` and `parsed` are the same request: fields, and hashes at a few block sizes.
     pub(in crate::request) fn assert_same_request(
-        chat: &RawChat,
+        chat: &RawRequest,
         parsed: &ParsedRequest,
     ) -> Result<(), TestCaseError> {
         prop_assert_eq!(chat.model, parsed.model.as_str());
@@ -578,7 +598,7 @@ pub(super) mod tests {
                 ..HashConfig::default()
             };
             let mut raw = BlockHashes::default();
-            hash_chat_memo_into(chat, config, &mut ChainMemo::default(), &mut raw);
+            hash_raw_memo_into(chat, config, &mut ChainMemo::default(), &mut raw);
             prop_assert_eq!(&raw, &hash_request(parsed, config));
         }
         Ok(())
@@ -638,9 +658,23 @@ pub(super) mod tests {
             ]),
         ) {
             let body = body(&system, &user, extra);
-            let chat = read_chat(body.as_bytes());
+            let chat = read_request(body.as_bytes());
             prop_assert!(chat.is_some(), "declined: {}", body);
             assert_same_request(&chat.unwrap(), &parse_request(body.as_bytes()).unwrap())?;
+        }
+
+        #[test]
+        fn a_completions_prompt_hashes_as_parse_request_decodes_it(
+            prompt in prop_oneof![contents(true), contents(false)],
+            extra in prop::sample::select(vec![
+                "", r#","stream":true"#, r#","max_tokens":0"#, r#","cache_salt":"t1""#,
+                r#","logprobs":null,"temperature":0.7,"stop":["\n"]"#,
+            ]),
+        ) {
+            let body = format!(r#"{{"model":"m","prompt":"{prompt}"{extra}}}"#);
+            let request = read_request(body.as_bytes());
+            prop_assert!(request.is_some(), "declined: {}", body);
+            assert_same_request(&request.unwrap(), &parse_request(body.as_bytes()).unwrap())?;
         }
 
         #[test]
@@ -653,12 +687,19 @@ pub(super) mod tests {
             let mut memo = ChainMemo::default();
             let config = HashConfig::default();
             for (k, in_place, user) in picks {
-                let body = body(&systems[k % systems.len()], &"question ".repeat(user), "");
+                // Chats, and completions prompts of the same texts (a prompt's bytes as
+                // written must not key a message's, nor a decoded text's).
+                let system = &systems[k % systems.len()];
+                let body = if k % 2 == 0 {
+                    body(system, &"question ".repeat(user), "")
+                } else {
+                    format!(r#"{{"model":"m","prompt":"{system}{}"}}"#, "question ".repeat(user))
+                };
                 let parsed = parse_request(body.as_bytes()).unwrap();
                 let mut got = BlockHashes::default();
                 if in_place {
-                    let chat = read_chat(body.as_bytes()).unwrap();
-                    hash_chat_memo_into(&chat, config, &mut memo, &mut got);
+                    let chat = read_request(body.as_bytes()).unwrap();
+                    hash_raw_memo_into(&chat, config, &mut memo, &mut got);
                 } else {
                     crate::hashing::hash_request_memo_into(&parsed, config, &mut memo, &mut got);
                 }
@@ -673,14 +714,19 @@ pub(super) mod tests {
         #[test]
         fn a_body_with_one_byte_changed_is_declined_or_read_as_serde_reads_it(
             system in contents(false),
+            completions in any::<bool>(),
             at in any::<prop::sample::Index>(),
             byte in any::<u8>(),
         ) {
-            let mut body = body(&system, "q", r#","tools":[{"a":[1.5e3,null]}],"stream":true"#)
-                .into_bytes();
+            let mut body = if completions {
+                format!(r#"{{"model":"m","prompt":"{system}","stop":["a",null],"stream":true}}"#)
+            } else {
+                body(&system, "q", r#","tools":[{"a":[1.5e3,null]}],"stream":true"#)
+            }
+            .into_bytes();
             let i = at.index(body.len());
             body[i] = byte;
-            if let Some(chat) = read_chat(&body) {
+            if let Some(chat) = read_request(&body) {
                 let parsed = parse_request(&body);
                 prop_assert!(parsed.is_ok(), "read in place, refused by serde: {:?}", parsed);
                 assert_same_request(&chat, &parsed.unwrap())?;
@@ -730,8 +776,8 @@ pub(super) mod tests {
             for system in &systems {
                 let body = body(system, "q", "");
                 let mut got = BlockHashes::default();
-                hash_chat_memo_into(
-                    &read_chat(body.as_bytes()).unwrap(),
+                hash_raw_memo_into(
+                    &read_request(body.as_bytes()).unwrap(),
                     config,
                     &mut memo,
                     &mut got,
@@ -764,7 +810,12 @@ pub(super) mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
-            assert_eq!(read_chat(body), None, "{}", String::from_utf8_lossy(body));
+            assert_eq!(
+                read_request(body),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
     }
 
@@ -775,25 +826,49 @@ pub(super) mod tests {
             br#"{"messages":[{"role":"us\u0065r","content":"a"}]}"#, // escaped role
             br#"{"m\u006fdel":"x","messages":[{"role":"user","content":"a"}]}"#, // escaped key
             br#"{"model":"a","model":"b","messages":[{"role":"user","content":"a"}]}"#,
-            br#"{"prompt":"a"}"#,
+            br#"{"prompt":["a","b"]}"#, // a batch: a chain each
+            br#"{"prompt":[1,2,3]}"#,   // token ids
+            br#"{"prompt":null}"#,
+            br#"{"prompt":"a","prompt":"b"}"#,
+            br#"{"prompt":"a","messages":[{"role":"user","content":"b"}]}"#,
+            br#"{"messages":[{"role":"user","content":"b"}],"prompt":"a"}"#,
             br#"{"messages":[]}"#,
             br#"{"messages":[{"content":"a"}]}"#, // no role: an error for parse_request
             br#"{"max_tokens":1.0,"messages":[{"role":"user","content":"a"}]}"#,
             br#"{"max_tokens":4294967296,"messages":[{"role":"user","content":"a"}]}"#,
         ] {
-            assert_eq!(read_chat(body), None, "{}", String::from_utf8_lossy(body));
+            assert_eq!(
+                read_request(body),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
         // The common shape is read, with what parse_request reads from it.
         let body = br#" {"model":"m","stream":false,"messages":[{"role":"system","content":null},{"content":"hi\n","role":"user"}],"max_tokens":7} "#;
-        let chat = read_chat(body).expect("the common shape");
-        assert_eq!(chat.messages.len(), 2);
+        let chat = read_request(body).expect("the common shape");
+        let RawPrompt::Messages(messages) = &chat.prompt else {
+            panic!("a chat has messages")
+        };
+        assert_eq!(messages.len(), 2);
         assert_eq!(chat.max_tokens, Some(7));
         let Prompt::Text(text) = &parse_request(body).unwrap().prompts[0] else {
             panic!("chat is text")
         };
         let mut decoded = Vec::new();
-        chat.messages[1].content.unwrap().decode_into(&mut decoded);
+        messages[1].content.unwrap().decode_into(&mut decoded);
         assert_eq!(decoded, b"hi\n");
         assert_eq!(text, "<|system|>\n\n<|user|>\nhi\n\n");
+        // A completions prompt of one string is read too.
+        let body = br#"{"model":"m","prompt":"Once upon\na time","max_tokens":7,"stream":true}"#;
+        let request = read_request(body).expect("a prompt of one string");
+        let RawPrompt::Text(prompt) = request.prompt else {
+            panic!("a completions prompt is text")
+        };
+        let mut decoded = Vec::new();
+        prompt.decode_into(&mut decoded);
+        assert_eq!(decoded, b"Once upon\na time");
+        assert!(request.stream);
+        assert_eq!(request.max_tokens, Some(7));
     }
 }

@@ -333,7 +333,7 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
 }
 
 /// The same text spelled with escapes and without is the same prompt: the plugin decodes a
-/// content it has not met (finding each escape with the reader's SIMD scan) before hashing
+/// chat content or a completions prompt it has not met (finding each escape with the reader's SIMD scan) before hashing
 /// it. So a prompt whose content escapes characters (`\u00e9\/`, `\u000a`, `\"\\\n\t`), at
 /// every offset across the scan's 16- and 64-byte steps, sent after the same text spelled
 /// otherwise (`é/` written out, the other escapes of the same characters), must match all its
@@ -352,31 +352,38 @@ fn a_content_with_escapes_hashes_as_the_same_text_written_out() {
     ];
     let filler = b"abc de fghij, klm nopq rstu vwxyz. ".repeat(5);
     for (s, (escaped, written)) in spellings.iter().enumerate() {
-        for offset in 0..150 {
-            let body = |special: &[u8]| {
-                let mut body = format!(
-                    r#"{{"model":"m","messages":[{{"role":"system","content":"spelling {s} at {offset}: {}"}},{{"role":"user","content":""#,
-                    String::from_utf8_lossy(&filler[..offset])
-                )
-                .into_bytes();
-                body.extend_from_slice(special);
-                body.extend_from_slice(&filler[offset..]);
-                body.extend_from_slice(special);
-                body.extend_from_slice(br#""}]}"#);
-                body
+        for (offset, completions) in (0..150).flat_map(|o| [(o, false), (o, true)]) {
+            // A chat's user message, or a completions prompt, holds the spelling twice.
+            let request = |special: &[u8]| {
+                let head = format!("spelling {s} at {offset}, {completions}: ");
+                let mut text = head.into_bytes();
+                text.extend_from_slice(&filler[..offset]);
+                text.extend_from_slice(special);
+                text.extend_from_slice(&filler[offset..]);
+                text.extend_from_slice(special);
+                let (path, open, close): (_, &[u8], &[u8]) = if completions {
+                    ("/v1/completions", br#"{"model":"m","prompt":""#, br#""}"#)
+                } else {
+                    (
+                        "/v1/chat/completions",
+                        br#"{"model":"m","messages":[{"role":"user","content":""#,
+                        br#""}]}"#,
+                    )
+                };
+                Request::post(path, [open, &text, close].concat())
             };
-            let what = format!("spelling {s} at {offset}");
-            let parsed = prefixroute_core::parse_request(&body(written)).unwrap();
+            let what = format!("spelling {s} at {offset}, completions {completions}");
+            let parsed = prefixroute_core::parse_request(&request(written).body).unwrap();
             let hashes = hash_request(&parsed, HashConfig::default());
             // A repeat matches the full blocks (what a server caches), not the partial last.
             let full = hashes.total_tokens() / HashConfig::default().block_size;
-            let first = vm.round_trip(&Request::chat(body(written))).unwrap();
+            let first = vm.round_trip(&request(written)).unwrap();
             assert_eq!(
                 first.response_header("x-prefixroute-match"),
                 Some(format!("0/{}", hashes.total_blocks())),
                 "{what}"
             );
-            let again = vm.round_trip(&Request::chat(body(escaped))).unwrap();
+            let again = vm.round_trip(&request(escaped)).unwrap();
             assert!(vm.trapped().is_none(), "{what}: {:?}", vm.trapped());
             assert_eq!(
                 again.response_header("x-prefixroute-fallback"),
