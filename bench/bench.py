@@ -872,13 +872,15 @@ def run_cache(env, scenarios, routers, quick):
 # --------------------------------------------------------------------------------------------
 
 
-def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm", line_words=0):
+def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm", line_words=0,
+            completions=False):
     """`line_words`: a line break (`\\n` in the JSON) every that many words of the prompts; 0,
-    none (bench/chat.lua)."""
+    none. `completions`: the prompts as completions bodies to /v1/completions (bench/chat.lua)."""
+    path = "/v1/completions" if completions else "/v1/chat/completions"
     argv = [env.wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "5s",
-            "-s", BENCH / "chat.lua", f"{url}/v1/chat/completions"]
+            "-s", BENCH / "chat.lua", f"{url}{path}"]
     e = dict(os.environ, BODY_BYTES=str(body_bytes), COLD="1" if warmth == "cold" else "0",
-             LINE_WORDS=str(line_words))
+             LINE_WORDS=str(line_words), COMPLETIONS="1" if completions else "0")
     r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=e,
                        timeout=duration_s + 60)
     line = next((l for l in r.stdout.splitlines() if l.startswith("WRK_JSON ")), None)

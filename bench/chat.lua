@@ -9,6 +9,9 @@
 -- before the tenant's system prompt, so no block of it ever matches (every new conversation,
 -- batch job or agent looks like this to a prefix router). Those bodies are built per request.
 --
+-- COMPLETIONS=1 sends the same text as a completions body (`{"model":…,"prompt":"<system
+-- prompt> <question>"}`; point wrk at /v1/completions).
+--
 -- LINE_WORDS=N breaks the text into lines of N words: a line break, which JSON escapes as `\n`,
 -- every N words (most real prompts: markdown, code, documents). Unset or 0: one line.
 --
@@ -19,6 +22,7 @@ local tenants = tonumber(os.getenv("TENANTS") or "16")
 local questions = tonumber(os.getenv("QUESTIONS") or "4")
 local cold = os.getenv("COLD") == "1"
 local line_words = tonumber(os.getenv("LINE_WORDS") or "0")
+local completions = os.getenv("COMPLETIONS") == "1"
 
 local words = {
   "account", "billing", "cache", "cluster", "customer", "deploy", "gateway", "invoice",
@@ -58,6 +62,12 @@ local tails = {}
 local index = 0
 local sent = 0
 local head = '{"model":"cc-sim","max_tokens":1,"messages":[{"role":"system","content":"'
+-- Between the system prompt and the question, and after the question.
+local middle, tail_end = '"},{"role":"user","content":"', '"}]}'
+if completions then
+  head = '{"model":"cc-sim","max_tokens":1,"prompt":"'
+  middle, tail_end = " ", '"}'
+end
 local headers = { ["Content-Type"] = "application/json" }
 
 function init(args)
@@ -67,7 +77,7 @@ function init(args)
     local system = "You are the assistant of tenant " .. t .. ". " .. text(t * 7919, system_len)
     for q = 1, questions do
       local question = text(t * 104729 + q, 48)
-      local tail = system .. '"},{"role":"user","content":"' .. question .. '"}]}'
+      local tail = system .. middle .. question .. tail_end
       tails[#tails + 1] = tail
       requests[#requests + 1] = wrk.format("POST", nil, headers, head .. tail)
     end

@@ -12,6 +12,7 @@ system's cost above Envoy-without-a-filter to the first plugin's.
   python3 bench/cpu_ab.py --plugin-wasm old=/tmp/old.wasm --plugin-wasm new=target/wasm32-wasip1/wasm/prefixroute_plugin.wasm
   python3 bench/cpu_ab.py --sizes 1,8,64 --warmth warm,cold --rounds 5
   python3 bench/cpu_ab.py --sizes 8,64 --line-words 12   (prompts broken into lines)
+  python3 bench/cpu_ab.py --sizes 8,64 --completions      (completions bodies)
   python3 bench/cpu_ab.py --sizes 8 --warmth warm --floor-variant 12:0 --floor-variant 12:12
       (what a shared-data get and set cost Envoy: the floor filter plus that many calls)
 
@@ -93,9 +94,9 @@ class Served(bench.Router):
         self.pid = envoy_pid(self)
 
 
-def measure(env, served, size, warmth, duration, line_words):
+def measure(env, served, size, warmth, duration, line_words, completions):
     before = cpu_seconds(served.pid)
-    run = bench.wrk_run(env, served.url, size, 32, duration, warmth, line_words)
+    run = bench.wrk_run(env, served.url, size, 32, duration, warmth, line_words, completions)
     used = cpu_seconds(served.pid) - before
     return {"cpu_us": used / max(run["requests"], 1) * 1e6, "rps": run["rps"],
             "errors": run["errors"]}
@@ -114,6 +115,8 @@ def main():
     p.add_argument("--line-words", type=int, default=0,
                    help="prompts broken into lines of this many words (a JSON `\\n` escape "
                         "each); 0 (default): one line")
+    p.add_argument("--completions", action="store_true",
+                   help="the prompts as completions bodies (`prompt`) to /v1/completions")
     p.add_argument("--duration", type=int, default=4, help="seconds per wrk run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -136,12 +139,13 @@ def main():
                 key = f"{size // 1024} KB {warmth}"
                 runs = {s.name: [] for s in systems}
                 for s in systems:  # warm-up: JIT tiers, the plugin's scrapes and memo
-                    bench.wrk_run(env, s.url, size, 32, 1, warmth, args.line_words)
+                    bench.wrk_run(env, s.url, size, 32, 1, warmth, args.line_words,
+                                  args.completions)
                 for rnd in range(args.rounds):
                     order = systems if rnd % 2 == 0 else systems[::-1]
                     for s in order:
                         runs[s.name].append(measure(env, s, size, warmth, args.duration,
-                                                    args.line_words))
+                                                    args.line_words, args.completions))
                 results[key] = {name: {"cpu_us": statistics.median(r["cpu_us"] for r in rs),
                                        "rps": statistics.median(r["rps"] for r in rs),
                                        "errors": sum(r["errors"] for r in rs),
