@@ -1,4 +1,4 @@
-//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS] [MESSAGES] [TEXT]`:
+//! `cargo run --release -p host-tests --example profile -- [TOKENS] [cold|warm] [REQUESTS] [ENDPOINTS] [GAP_MS] [MESSAGES] [TEXT] [SHAPE]`:
 //! routes REQUESTS chat requests of about TOKENS tokens (default 16384, cold, 300) through one
 //! VM with ENDPOINTS endpoints (default 3) and prints the wasm instructions per request and per
 //! token, then per request in each callback (`proxy_on_request_body` is the routing decision)
@@ -11,7 +11,8 @@
 //! the prompt are then non-ASCII, and each such character is a token of its own (the plugin's
 //! default `non_ascii: pieces`), so there are about four times the tokens. TEXT `lines` breaks
 //! the line every twelve words: a `\n` escape every ~50 bytes of the body, as in most real
-//! prompts (markdown, code, documents). Cold: each request a
+//! prompts (markdown, code, documents). SHAPE `completions` (default `chat`) sends the same
+//! text as a completions body (`host_tests::bench::as_completions`) to `/v1/completions`. Cold: each request a
 //! new tenant's system prompt (no block matches); warm: one tenant's, a new question each. The
 //! bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -104,6 +105,11 @@ fn run() -> Result<(), String> {
         Some("lines") => Text::Lines,
         Some(other) => return Err(format!("TEXT must be ascii, ja or lines, not {other:?}")),
     };
+    let completions = match args.get(7).map(String::as_str) {
+        None | Some("chat") => false,
+        Some("completions") => true,
+        Some(other) => return Err(format!("SHAPE must be chat or completions, not {other:?}")),
+    };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
     let mut vm = host
@@ -131,6 +137,11 @@ fn run() -> Result<(), String> {
                 .into_bytes(),
             Text::Lines => host_tests::bench::in_lines(&body, host_tests::bench::LINE_WORDS),
         };
+        let body = if completions {
+            host_tests::bench::as_completions(&body)
+        } else {
+            body
+        };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=
             prefixroute_core::hashing::hash_request(&parsed, Default::default()).total_tokens();
@@ -147,7 +158,11 @@ fn run() -> Result<(), String> {
             vm.record_execution();
         }
         let rt = vm
-            .round_trip(&Request::chat(body.clone()))
+            .round_trip(&if completions {
+                Request::post("/v1/completions", body.clone())
+            } else {
+                Request::chat(body.clone())
+            })
             .map_err(|e| format!("{e:#}"))?;
         fuel += rt.costs.total.fuel;
         for (callback, costs) in &rt.costs.by_callback {

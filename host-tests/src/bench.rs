@@ -99,6 +99,21 @@ pub fn in_lines(body: &[u8], words: usize) -> Vec<u8> {
     lines.into_bytes()
 }
 
+/// A chat body (one of [`body`], [`conversation`]) as a completions body: its messages'
+/// contents joined by spaces into one `prompt`, the same model.
+pub fn as_completions(chat: &[u8]) -> Vec<u8> {
+    let chat: serde_json::Value = serde_json::from_slice(chat).expect("a benchmark chat body");
+    let contents: Vec<&str> = chat["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["content"].as_str())
+        .collect();
+    json!({"model": chat["model"], "prompt": contents.join(" ")})
+        .to_string()
+        .into_bytes()
+}
+
 /// [`body`] as a conversation: the same system prompt's words spread over `messages` messages
 /// (the system prompt, then user and assistant in turn, then `question`), so that a cold
 /// request carries `messages` boundaries (an agent's or a long chat's history).
