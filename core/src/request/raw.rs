@@ -5,19 +5,20 @@
 //! serde_json scans each string for its end, checks that it is UTF-8 and copies it, about 9
 //! wasm instructions per byte before the prompt is tokenized or looked up in the memo of
 //! messages hashed before. A warm request (every long message in that memo) needs none of it:
-//! only each message's extent, checked, and a key of its bytes. [`read_request`] finds and checks
-//! the contents eight bytes at a time and keeps them as they are in the body; the hashing
-//! decodes a content only when the memo does not hold it (`hashing::hash_raw_memo_into`).
+//! only each message's extent, checked, and a key of its bytes. [`read_request`] finds and
+//! checks the contents sixteen bytes at a time (with wasm SIMD; eight without) and keeps them as
+//! they are in the body; the hashing decodes a content only when the memo does not hold it
+//! (`hashing::hash_raw_memo_into`). A completions `prompt` of one string is read the same way.
 //!
 //! It reads the common shape only and declines (`None`) everything else, for
 //! [`parse_request`](super::parse_request) to read as before: a body whose answer it is not
 //! sure to give exactly (a key or role with escapes, content as a list of parts, a repeated
-//! routing key, a `prompt` that is not one string, both `messages` and `prompt`, a number
-//! that is not a plain integer, deep nesting) or that is wrong
-//! (not JSON, a field of the wrong type). Whatever it accepts, `parse_request` accepts too and
-//! reads the same fields and text from (property-tested). So it is at least as strict as
-//! serde_json everywhere: a string with invalid UTF-8, a control character, a bad escape or a
-//! lone surrogate anywhere in the body is declined.
+//! routing key, a `prompt` that is not one string, both `messages` and `prompt`, a number that
+//! is not a plain integer, deep nesting) or that is wrong (not JSON, a field of the wrong
+//! type). Whatever it accepts, `parse_request` accepts too and reads the same fields and text
+//! from (property-tested). So it is at least as strict as serde_json everywhere: a string with
+//! invalid UTF-8, a control character, a bad escape or a lone surrogate anywhere in the body is
+//! declined.
 
 use std::str;
 
