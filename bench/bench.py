@@ -904,7 +904,7 @@ def cost_key(size, warmth):
 
 
 def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("warm",),
-             line_words=0):
+             line_words=0, completions=False):
     """For each size and warmth, each system: a 1-connection run (unloaded latency) and a
     `connections`-connection run (throughput). Rounds alternate the order of the systems so
     that drift in the machine's load does not always favour the same one; the median of the
@@ -924,11 +924,12 @@ def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("war
                         router = Router(env, kind, backends, f"cost-{key}")
                         try:
                             # warm-up
-                            wrk_run(env, router.url, size, connections, 1, warmth, line_words)
+                            wrk_run(env, router.url, size, connections, 1, warmth, line_words,
+                                    completions)
                             lat = wrk_run(env, router.url, size, 1, duration_s, warmth,
-                                          line_words)
+                                          line_words, completions)
                             thr = wrk_run(env, router.url, size, connections, duration_s,
-                                          warmth, line_words)
+                                          warmth, line_words, completions)
                             stats = router.plugin_stats()
                         finally:
                             router.close()
@@ -1119,9 +1120,12 @@ def report_cache_targets(entries):
     return "\n".join(lines)
 
 
-def report_cost(cost, duration_s, connections, rounds, line_words=0):
+def report_cost(cost, duration_s, connections, rounds, line_words=0, completions=False):
     breaks = (f" Prompts broken into lines of {line_words} words (a `\\n` escape each)."
               if line_words else "")
+    if completions:
+        breaks += " Completions bodies (`prompt`: the system prompt and the question) to " \
+                  "/v1/completions."
     lines = [f"wrk -t1, {duration_s} s per run, median of {rounds} round(s); unloaded = 1 "
              f"connection (closed loop), loaded = {connections} connections. Envoy "
              f"--concurrency {ENVOY_CONCURRENCY}. Ratios are to Envoy ROUND_ROBIN in the same "
@@ -1326,6 +1330,8 @@ def main():
     p.add_argument("--line-words", type=int, default=0,
                    help="cost prompts broken into lines of this many words (a JSON `\\n` "
                         "escape each, as in most real prompts); 0 (default): one line")
+    p.add_argument("--completions", action="store_true",
+                   help="cost prompts as completions bodies (`prompt`) to /v1/completions")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="wait up to this many seconds for the 1-minute load average to drop "
                         "below --idle-load before starting")
@@ -1397,9 +1403,10 @@ def main():
             results["sweep"] = run_sweep(env, sweep_scenarios, sweep_routers, costs, quick)
         if "cost" in sections:
             results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
-                                       rounds, cost_warmth, args.line_words)
+                                       rounds, cost_warmth, args.line_words, args.completions)
             results["cost_settings"] = {"duration_s": duration, "connections": connections,
-                                        "rounds": rounds, "line_words": args.line_words}
+                                        "rounds": rounds, "line_words": args.line_words,
+                                        "completions": args.completions}
         if "scale" in sections:
             results["scale"] = run_scale(quick)
     finally:
@@ -1483,7 +1490,8 @@ def main():
                 plugin_problems(f"cost/{key}/{kind}", stats or {})
     if "cost" in results:
         md += ["## Cost per request", "",
-               report_cost(results["cost"], duration, connections, rounds, args.line_words)]
+               report_cost(results["cost"], duration, connections, rounds, args.line_words,
+                           args.completions)]
         entries = cost_targets(results["cost"])
         results["cost_targets"] = entries
         if entries:
