@@ -173,12 +173,15 @@ impl ChainMemo {
     ) {
         let content = message.content.map_or(&[][..], |c| c.raw());
         let [open, close] = crate::request::HEADER;
-        // The flattened message is at most this long (escapes only shorten it); the buffer
-        // also takes the tokenizer's stop byte after it.
+        // The flattened message is at most this long (escapes only shorten it).
         let bytes = open.len() + message.role.len() + close.len() + content.len() + 1;
-        let flatten = |scratch: &mut Vec<u8>| {
-            scratch.clear();
-            scratch.reserve(bytes + 1);
+        // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
+        // never key another's decoded text; the role's hash seeds the content's.
+        let key = |chain: &Chainer| {
+            let role = message_key(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
+            message_key(content, role)
+        };
+        self.chain_in_place(bytes, key, chain, out, scratch, |scratch| {
             scratch.extend_from_slice(open.as_bytes());
             scratch.extend_from_slice(message.role.as_bytes());
             scratch.extend_from_slice(close.as_bytes());
@@ -186,19 +189,6 @@ impl ChainMemo {
                 c.decode_into(scratch);
             }
             scratch.push(b'\n');
-        };
-        if bytes < MIN_MESSAGE_BYTES {
-            flatten(scratch);
-            chain.push_stopped(Stopped::stop(scratch), out);
-            return;
-        }
-        // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
-        // never key another's decoded text; the role's hash seeds the content's.
-        let role = message_key(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
-        let key = message_key(content, role);
-        self.chain_keyed(key, bytes, chain, out, |chain, out| {
-            flatten(scratch);
-            chain.push_stopped(Stopped::stop(scratch), out);
         });
     }
 
@@ -213,22 +203,37 @@ impl ChainMemo {
         scratch: &mut Vec<u8>,
     ) {
         let raw = text.raw();
-        let decode = |scratch: &mut Vec<u8>| {
+        let key = |chain: &Chainer| message_key(raw, chain.state_key() ^ RAW_TEXT_KEYS);
+        self.chain_in_place(raw.len(), key, chain, out, scratch, |scratch| {
+            text.decode_into(scratch)
+        });
+    }
+
+    /// Continues `chain` with a text read in place, at most `bytes` long once decoded: `fill`
+    /// writes it into `scratch`, and it is tokenized from there only when the memo does not
+    /// hold it under `key(chain)` (a text under [`MIN_MESSAGE_BYTES`] is not looked up).
+    fn chain_in_place(
+        &mut self,
+        bytes: usize,
+        key: impl FnOnce(&Chainer) -> u64,
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        scratch: &mut Vec<u8>,
+        fill: impl Fn(&mut Vec<u8>),
+    ) {
+        let mut push = |chain: &mut Chainer, out: &mut Vec<u64>| {
             scratch.clear();
-            // Escapes only shorten it; and the tokenizer's stop byte after it.
-            scratch.reserve(raw.len() + 1);
-            text.decode_into(scratch);
-        };
-        if raw.len() < MIN_MESSAGE_BYTES {
-            decode(scratch);
+            // And the tokenizer's stop byte after it.
+            scratch.reserve(bytes + 1);
+            fill(scratch);
             chain.push_stopped(Stopped::stop(scratch), out);
+        };
+        if bytes < MIN_MESSAGE_BYTES {
+            push(chain, out);
             return;
         }
-        let key = message_key(raw, chain.state_key() ^ RAW_TEXT_KEYS);
-        self.chain_keyed(key, raw.len(), chain, out, |chain, out| {
-            decode(scratch);
-            chain.push_stopped(Stopped::stop(scratch), out);
-        });
+        let key = key(chain);
+        self.chain_keyed(key, bytes, chain, out, push);
     }
 
     /// The memo's lookup, admission and insertion for a message keyed `key` whose text is
