@@ -1,4 +1,4 @@
-//! A worker's memory of the chat messages it has hashed.
+//! A worker's memory of the chat messages (and long texts' segments) it has hashed.
 //!
 //! Requests repeat most of their text: the same system prompt, the same document, the earlier
 //! turns of a conversation. Tokenizing and hashing that text again is most of what routing a
@@ -6,19 +6,26 @@
 //! multiply per byte, one after another). A message tokenizes on its own (its chat header
 //! starts with `<`, which ends every piece before it), and its blocks depend only on its bytes
 //! and the chain's state where it starts (the last full block's hash and the open block: its
-//! tokens, or the hash of its bytes so far). So the memo keys each message by one xxh3 pass over
-//! its bytes, seeded with that state, and keeps the blocks it completed and the state it left.
-//! A hit appends those blocks: the answer is exactly what hashing the message would give
-//! (tested against [`super::hash_request`]), at ~1 instruction per byte instead of ~40.
+//! tokens, or its bytes so far). So the memo keys each message by one xxh3 pass over its bytes,
+//! seeded with that state, and keeps the blocks it completed and the state it left. A hit
+//! appends those blocks: the answer is exactly what hashing the message would give (tested
+//! against [`super::hash_request`]), at ~1 instruction per byte instead of ~40.
 //!
-//! A message is remembered the second time it is met, not the first: a stream of prompts that
-//! never repeat (batch jobs, agents, every first turn) then costs the memo one key each and
-//! pushes nothing out, and a hot system prompt is tokenized twice, once more than without the
-//! memo's admission rule (the keys met once sit in a direct-mapped table of `MAX_SEEN` slots:
-//! a key pushed out by another before it came back is met "once" again).
+//! A long message, or a completions prompt, often repeats only its beginning (a document, then
+//! a new question): it is also known by its segments ([`super::segments`], cut where a word
+//! starts, which changes no hash), each keyed the same way, so that only the segments after
+//! the shared beginning are tokenized (see [`ChainMemo::chain`] for which are looked up and
+//! kept).
+//!
+//! A text is remembered the second time it is met, not the first: a stream of prompts that
+//! never repeat (batch jobs, agents, every first turn) then costs the memo one key each (of its
+//! first segment's bytes only, for a long one) and pushes nothing out, and a hot system prompt
+//! is tokenized twice, once more than without the memo's admission rule (the keys met once sit
+//! in a direct-mapped table of `MAX_SEEN` slots: a key pushed out by another before it came back
+//! is met "once" again).
 //!
 //! Memory is bounded by two generations: entries go into the young one; when it holds
-//! `capacity_blocks / 2` blocks (or `MAX_ENTRIES / 2` messages) it becomes the old one and the
+//! `capacity_blocks / 2` blocks (or `MAX_ENTRIES / 2` entries) it becomes the old one and the
 //! old one is dropped; a hit in the old generation moves the entry to the young one. So what
 //! was used within the last half of the capacity stays, as in an LRU, at O(1) per request.
 //! The default half holds about sixty 64 KB system prompts.
@@ -33,18 +40,138 @@ use super::{Chainer, Partial};
 use crate::request::{JsonStr, RawMessage};
 use crate::tokenizer::Stopped;
 
-/// Mixed into the seed of the keys of messages read in place (see [`ChainMemo::chain_raw`]).
+/// Mixed into the seed of the keys of messages read in place ([`Source::Message`]).
 const RAW_KEYS: u64 = 0x7261_775f_6b65_7973;
-/// Mixed into the seed of the keys of completions prompts read in place
-/// ([`ChainMemo::chain_raw_text`]): their bytes as written must never key a decoded text that
-/// has the same bytes (`a\nb` written out is another text than `a\nb` decoded).
+/// Mixed into the seed of the keys of completions prompts read in place ([`Source::Prompt`]).
 const RAW_TEXT_KEYS: u64 = 0x7261_775f_7465_7874;
 
-/// Messages shorter than this are hashed directly: a lookup would cost about what it saves.
+/// Mixed into the seed of the keys of a message's last segment read in place: the line break
+/// after it is tokenized with it, and not after the same bytes in the middle of a longer one
+/// (the length checked on a hit tells them apart too).
+const LAST_KEYS: u64 = 0x6c61_7374_5f73_6567;
+
+/// Mixed into the seed of the key of a text of more than one segment, hashed on from its first
+/// segment's key.
+const WHOLE_KEYS: u64 = 0x7768_6f6c_655f_6b65;
+
+/// When the memo remembers a text it does not hold (see [`ChainMemo::chain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    /// The second time it is met.
+    Twice,
+    /// The first time.
+    Now,
+}
+
+/// A text the memo continues a chain with (see [`ChainMemo::chain`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Source<'a> {
+    /// Text as it is tokenized: a part of `parse_request`'s prompt (a chat message with its
+    /// header, or a completions prompt).
+    Decoded(&'a [u8]),
+    /// A chat message read in place: keyed by its role and its content's bytes as they are in
+    /// the body, so a segment the memo holds is never decoded; written out as `parse_request`
+    /// flattens it (`<|role|>\ncontent\n`, the header with the first segment and the line
+    /// break with the last). Its cuts are found in the content's bytes as they lie.
+    Message(&'a RawMessage<'a>),
+    /// A completions prompt read in place: keyed by its bytes as they are in the body.
+    Prompt(JsonStr<'a>),
+}
+
+impl<'a> Source<'a> {
+    /// The bytes its cuts are found in, and the bytes it has more before its first segment and
+    /// after its last once written out.
+    fn layout(&self) -> (&'a [u8], usize, usize) {
+        match *self {
+            Source::Decoded(text) => (text, 0, 0),
+            Source::Message(message) => {
+                let [open, close] = crate::request::HEADER;
+                let role = message.role.as_bytes();
+                let header = open.len() + role.len() + close.len();
+                let content = message.content.unwrap_or_default();
+                (content.raw(), header, 1)
+            }
+            Source::Prompt(text) => (text.raw(), 0, 0),
+        }
+    }
+
+    /// The memo's key of the segment `piece` met in the chain state `state`. Keys of texts
+    /// read in place are seeded apart from the decoded texts' and from each other's, so that
+    /// the raw bytes of one text never key another's decoded text (`a\nb` written out is
+    /// another text than `a\nb` decoded); a message's role seeds its first segment's key (the
+    /// header precedes it), and its last segment's is seeded apart (the line break follows).
+    fn key(&self, state: u64, piece: &[u8], edge: Edge) -> u64 {
+        let seed = match *self {
+            Source::Decoded(_) => state,
+            Source::Message(message) => {
+                let mut seed = state ^ RAW_KEYS;
+                if edge.first {
+                    seed = message_key(message.role.as_bytes(), seed);
+                }
+                if edge.last {
+                    seed ^= LAST_KEYS;
+                }
+                seed
+            }
+            Source::Prompt(_) => state ^ RAW_TEXT_KEYS,
+        };
+        message_key(piece, seed)
+    }
+
+    /// Continues `chain` with the segment `piece` (at most `bytes` long written out),
+    /// written into `scratch` and tokenized from there.
+    fn push(
+        &self,
+        edge: Edge,
+        piece: &[u8],
+        bytes: usize,
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        scratch: &mut Vec<u8>,
+    ) {
+        scratch.clear();
+        // And the tokenizer's stop byte after it.
+        scratch.reserve(bytes + 1);
+        self.write(scratch, piece, edge);
+        chain.push_stopped(Stopped::stop(scratch), edge.last, out);
+    }
+
+    /// Writes the segment `piece` into `scratch` as it is tokenized.
+    fn write(&self, scratch: &mut Vec<u8>, piece: &[u8], edge: Edge) {
+        match *self {
+            Source::Decoded(_) => scratch.extend_from_slice(piece),
+            Source::Message(message) => {
+                let [open, close] = crate::request::HEADER;
+                if edge.first {
+                    scratch.extend_from_slice(open.as_bytes());
+                    scratch.extend_from_slice(message.role.as_bytes());
+                    scratch.extend_from_slice(close.as_bytes());
+                }
+                if let Some(content) = message.content {
+                    content.with_raw(piece).decode_into(scratch);
+                }
+                if edge.last {
+                    scratch.push(b'\n');
+                }
+            }
+            Source::Prompt(text) => text.with_raw(piece).decode_into(scratch),
+        }
+    }
+}
+
+/// Where a segment lies in its text.
+#[derive(Debug, Clone, Copy)]
+struct Edge {
+    first: bool,
+    last: bool,
+}
+
+/// Segments shorter than this are hashed directly: a lookup would cost about what it saves.
 pub const MIN_MESSAGE_BYTES: usize = 256;
 /// Block hashes the memo keeps by default (two generations of half), 8 bytes each: 1 MB.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 131_072;
-const MAX_ENTRIES: usize = 1_024;
+/// Segments held (a 64 KB prompt is ~30 of them).
+const MAX_ENTRIES: usize = 4_096;
 /// Keys of messages met once, remembered to admit them when met again.
 const MAX_SEEN: usize = 4_096;
 
@@ -57,13 +184,13 @@ fn message_key(bytes: &[u8], seed: u64) -> u64 {
     xxh64_pair(xxh3_64(bytes), seed)
 }
 
-/// What hashing one message did to a chain.
+/// What hashing one segment of a text did to a chain.
 #[derive(Debug, Clone)]
 struct Segment {
-    /// The message's length, checked on a hit (a second guard beside the 64-bit key).
+    /// The segment's length, checked on a hit (a second guard beside the 64-bit key).
     bytes: usize,
     tokens: usize,
-    /// The full blocks the message completed.
+    /// The full blocks the segment completed.
     blocks: Vec<u64>,
     /// The chain's state after it: last hash and open block.
     parent: u64,
@@ -107,9 +234,9 @@ pub struct ChainMemo {
     /// Keys met once and not remembered yet, each in the slot its low bits name.
     seen: Vec<u64>,
     stats: MemoStats,
-    /// Room for a chat message read in place, flattened to be tokenized (see
-    /// [`ChainMemo::chain_raw`]): kept here so that a request allocates none.
-    pub(super) scratch: Vec<u8>,
+    /// Room for a segment written out to be tokenized (see [`ChainMemo::chain`]): kept here so
+    /// that a request allocates none.
+    scratch: Vec<u8>,
 }
 
 impl Default for ChainMemo {
@@ -146,131 +273,180 @@ impl ChainMemo {
         self.len() == 0
     }
 
-    /// Continues `chain` with the tokens of `message`, appending the blocks it completes to
-    /// `out`: from memory when the message was met in the same state before, else by hashing it
-    /// (and remembering it when it is long enough).
-    pub(super) fn chain(&mut self, message: &str, chain: &mut Chainer, out: &mut Vec<u64>) {
-        if message.len() < MIN_MESSAGE_BYTES {
-            chain.push_text(message, out);
-            return;
-        }
-        let key = message_key(message.as_bytes(), chain.state_key());
-        self.chain_keyed(key, message.len(), chain, out, |chain, out| {
-            chain.push_text(message, out)
-        });
-    }
-
-    /// [`ChainMemo::chain`] for a chat message read in place: keyed by its role and its
-    /// content's bytes as they are in the body, so a message the memo holds is never decoded;
-    /// `scratch` takes its text (`<|role|>\ncontent\n`, as `parse_request` flattens it) only
-    /// when it has to be tokenized.
-    pub(super) fn chain_raw(
-        &mut self,
-        message: &RawMessage,
-        chain: &mut Chainer,
-        out: &mut Vec<u64>,
-        scratch: &mut Vec<u8>,
-    ) {
-        let content = message.content.map_or(&[][..], |c| c.raw());
-        let [open, close] = crate::request::HEADER;
-        // The flattened message is at most this long (escapes only shorten it).
-        let bytes = open.len() + message.role.len() + close.len() + content.len() + 1;
-        // Seeded apart from the decoded messages' keys, so that the raw bytes of one message
-        // never key another's decoded text; the role's hash seeds the content's.
-        let key = |chain: &Chainer| {
-            let role = message_key(message.role.as_bytes(), chain.state_key() ^ RAW_KEYS);
-            message_key(content, role)
+    /// Continues `chain` with the tokens of `text`, appending the blocks it completes to
+    /// `out`: from memory when the text was met whole in the same state before, else segment
+    /// by segment ([`super::segments`]), each from memory when it was met in the same state
+    /// before, else by hashing it. What is hashed is written out first (decoded, for a text
+    /// read in place); a text under [`MIN_MESSAGE_BYTES`] is not looked up.
+    ///
+    /// A text of more than one segment is first known by its first segment: if that was never
+    /// met, neither was the text, and the whole of it is hashed at once, for the cost of one
+    /// key of its first segment's bytes (a prompt never met, the common cold case, costs less
+    /// than a key of all its bytes did). Else the whole text is looked up: a system prompt or a
+    /// document met in full before (most long texts of a warm chat) is one lookup. Else its
+    /// segments are, the first remembered the second time it is met and the ones after it the
+    /// first time (a document repeated, now followed by a new question), but the last (the part
+    /// that is likely new), remembered the second time; the whole text is remembered the
+    /// second time it is met.
+    pub(super) fn chain(&mut self, text: Source<'_>, chain: &mut Chainer, out: &mut Vec<u64>) {
+        // Taken out while the memo is borrowed for the lookups, and put back.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let scratch = &mut scratch;
+        let (cut, before, after) = text.layout();
+        let bytes = cut.len() + before + after;
+        let whole = Edge {
+            first: true,
+            last: true,
         };
-        self.chain_in_place(bytes, key, chain, out, scratch, |scratch| {
-            scratch.extend_from_slice(open.as_bytes());
-            scratch.extend_from_slice(message.role.as_bytes());
-            scratch.extend_from_slice(close.as_bytes());
-            if let Some(c) = message.content {
-                c.decode_into(scratch);
-            }
-            scratch.push(b'\n');
-        });
-    }
-
-    /// [`ChainMemo::chain`] for a completions prompt read in place: keyed by its bytes as they
-    /// are in the body (seeded apart from both kinds of message keys), decoded into `scratch`
-    /// only when it has to be tokenized.
-    pub(super) fn chain_raw_text(
-        &mut self,
-        text: JsonStr,
-        chain: &mut Chainer,
-        out: &mut Vec<u64>,
-        scratch: &mut Vec<u8>,
-    ) {
-        let raw = text.raw();
-        let key = |chain: &Chainer| message_key(raw, chain.state_key() ^ RAW_TEXT_KEYS);
-        self.chain_in_place(raw.len(), key, chain, out, scratch, |scratch| {
-            text.decode_into(scratch)
-        });
-    }
-
-    /// Continues `chain` with a text read in place, at most `bytes` long once decoded: `fill`
-    /// writes it into `scratch`, and it is tokenized from there only when the memo does not
-    /// hold it under `key(chain)` (a text under [`MIN_MESSAGE_BYTES`] is not looked up).
-    fn chain_in_place(
-        &mut self,
-        bytes: usize,
-        key: impl FnOnce(&Chainer) -> u64,
-        chain: &mut Chainer,
-        out: &mut Vec<u64>,
-        scratch: &mut Vec<u8>,
-        fill: impl Fn(&mut Vec<u8>),
-    ) {
-        let mut push = |chain: &mut Chainer, out: &mut Vec<u64>| {
-            scratch.clear();
-            // And the tokenizer's stop byte after it.
-            scratch.reserve(bytes + 1);
-            fill(scratch);
-            chain.push_stopped(Stopped::stop(scratch), out);
+        // Where its first segment ends (a text too short to look up is not cut).
+        let first_end = match bytes < MIN_MESSAGE_BYTES {
+            true => cut.len(),
+            false => super::segments::segment_end(cut, 0),
         };
         if bytes < MIN_MESSAGE_BYTES {
-            push(chain, out);
-            return;
+            text.push(whole, cut, bytes, chain, out, scratch);
+        } else if first_end == cut.len() {
+            let key = text.key(chain.state_key(), cut, whole);
+            let segment = (whole, cut, bytes);
+            self.chain_keyed(key, Admit::Twice, text, segment, chain, out, scratch);
+        } else {
+            let first = Edge {
+                first: true,
+                last: false,
+            };
+            let first_key = text.key(chain.state_key(), &cut[..first_end], first);
+            if !self.known(first_key) {
+                self.stats.misses += 1;
+                self.admits(first_key, Admit::Twice);
+                text.push(whole, cut, bytes, chain, out, scratch);
+            } else {
+                // Its first segment's key covers the chain's state and those bytes: the rest
+                // of the bytes are hashed on from it, each byte once.
+                let key = message_key(&cut[first_end..], first_key ^ WHOLE_KEYS);
+                if !self.recall(key, bytes, chain, out) {
+                    let remember = self.admits(key, Admit::Twice);
+                    let (start, tokens) = (out.len(), chain.count());
+                    self.chain_segments(text, (first_end, first_key), chain, out, scratch);
+                    if remember {
+                        self.remember(key, bytes, start, tokens, chain, out);
+                    }
+                }
+            }
         }
-        let key = key(chain);
-        self.chain_keyed(key, bytes, chain, out, push);
+        self.scratch = std::mem::take(scratch);
     }
 
-    /// The memo's lookup, admission and insertion for a message keyed `key` whose text is
-    /// `bytes` long; `tokenize` pushes its tokens into the chain when it is not held.
+    /// [`ChainMemo::chain`] of a text of more than one segment, its first (ending at
+    /// `first_end`, keyed `first_key`) met before: segment by segment.
+    fn chain_segments(
+        &mut self,
+        text: Source<'_>,
+        (first_end, first_key): (usize, u64),
+        chain: &mut Chainer,
+        out: &mut Vec<u64>,
+        scratch: &mut Vec<u8>,
+    ) {
+        let (cut, before, after) = text.layout();
+        let first = Edge {
+            first: true,
+            last: false,
+        };
+        let segment = (first, &cut[..first_end], first_end + before);
+        self.chain_keyed(first_key, Admit::Twice, text, segment, chain, out, scratch);
+        let mut start = first_end;
+        while start < cut.len() {
+            let end = super::segments::segment_end(cut, start);
+            let last = end == cut.len();
+            let edge = Edge { first: false, last };
+            let piece = &cut[start..end];
+            // At most this long once written out (escapes only shorten it).
+            let bytes = piece.len() + usize::from(last) * after;
+            let admit = if last { Admit::Twice } else { Admit::Now };
+            let key = text.key(chain.state_key(), piece, edge);
+            self.chain_keyed(key, admit, text, (edge, piece, bytes), chain, out, scratch);
+            start = end;
+        }
+    }
+
+    /// The memo's lookup, admission and insertion for the segment `piece` of `text` (where
+    /// `edge` says, at most `bytes` long written out) keyed `key`: pushed into the chain
+    /// ([`Source::push`]) when it is not held.
+    #[allow(clippy::too_many_arguments)]
     fn chain_keyed(
         &mut self,
         key: u64,
-        bytes: usize,
+        admit: Admit,
+        text: Source<'_>,
+        (edge, piece, bytes): (Edge, &[u8], usize),
         chain: &mut Chainer,
         out: &mut Vec<u64>,
-        tokenize: impl FnOnce(&mut Chainer, &mut Vec<u64>),
+        scratch: &mut Vec<u8>,
     ) {
-        if let Some(segment) = self.get(key, bytes) {
-            // The partial block always fits (the key's seed holds the block size); checked
-            // anyway, since this runs in the data plane: a mismatch hashes the message.
-            if chain.resume((segment.parent, &segment.partial), segment.tokens) {
-                out.extend_from_slice(&segment.blocks);
-                self.stats.hits += 1;
-                return;
-            }
-        }
-        self.stats.misses += 1;
-        let slot = &mut self.seen[(key % MAX_SEEN as u64) as usize];
-        if *slot != key {
-            // Met for the first time: remember the key only.
-            *slot = key;
-            tokenize(chain, out);
+        if self.recall(key, bytes, chain, out) {
             return;
         }
-        *slot = 0;
-        let (before, tokens) = (out.len(), chain.count());
-        tokenize(chain, out);
+        let remember = self.admits(key, admit);
+        let (start, tokens) = (out.len(), chain.count());
+        text.push(edge, piece, bytes, chain, out, scratch);
+        if remember {
+            self.remember(key, bytes, start, tokens, chain, out);
+        }
+    }
+
+    /// Whether `key` was met before: held, or noted among the keys met once.
+    fn known(&self, key: u64) -> bool {
+        self.young.contains_key(&key)
+            || self.old.contains_key(&key)
+            || self.seen[(key % MAX_SEEN as u64) as usize] == key
+    }
+
+    /// Continues `chain` from memory with the text keyed `key`, `bytes` long: false (and
+    /// nothing done) if the memo does not hold it.
+    fn recall(&mut self, key: u64, bytes: usize, chain: &mut Chainer, out: &mut Vec<u64>) -> bool {
+        let held = self.get(key, bytes).is_some_and(|segment| {
+            // The partial block always fits (the key's seed holds the block size); checked
+            // anyway, since this runs in the data plane: a mismatch hashes the text.
+            chain.resume((segment.parent, &segment.partial), segment.tokens) && {
+                out.extend_from_slice(&segment.blocks);
+                true
+            }
+        });
+        if held {
+            self.stats.hits += 1;
+        } else {
+            self.stats.misses += 1;
+        }
+        held
+    }
+
+    /// Whether a text keyed `key` that the memo does not hold is to be remembered once hashed:
+    /// with [`Admit::Twice`], if its key was met once before (else the key is noted).
+    fn admits(&mut self, key: u64, admit: Admit) -> bool {
+        if admit == Admit::Now {
+            return true;
+        }
+        let slot = &mut self.seen[(key % MAX_SEEN as u64) as usize];
+        let again = *slot == key;
+        *slot = if again { 0 } else { key };
+        again
+    }
+
+    /// Remembers what hashing the text keyed `key` did: the blocks it appended to `out` from
+    /// `start`, the tokens it added to the `tokens` the chain had, the state it left.
+    fn remember(
+        &mut self,
+        key: u64,
+        bytes: usize,
+        start: usize,
+        tokens: usize,
+        chain: &Chainer,
+        out: &[u64],
+    ) {
         let (parent, partial) = chain.state();
         let segment = Segment {
             bytes,
             tokens: chain.count() - tokens,
-            blocks: out[before..].to_vec(),
+            blocks: out[start..].to_vec(),
             parent,
             partial,
         };
@@ -363,7 +539,8 @@ mod tests {
     #[test]
     fn a_repeated_system_prompt_is_hashed_from_memory_from_its_third_time_on() {
         let mut memo = ChainMemo::default();
-        let system = text(1, 400);
+        // One segment.
+        let system = text(1, 250);
         let questions = ["why?", "how so?", "and then?", "so?"];
         for (i, question) in questions.iter().enumerate() {
             let body = chat(&[("system", system.clone()), ("user", question.to_string())]);
@@ -378,22 +555,70 @@ mod tests {
         }
         assert_eq!(memo.stats().misses, 2);
         // Another system prompt is not a hit.
-        let other = chat(&[("system", text(2, 400)), ("user", "why?".into())]);
+        let other = chat(&[("system", text(2, 250)), ("user", "why?".into())]);
         hash_request_memo(&parse_request(&other).unwrap(), CONFIG, &mut memo);
         assert_eq!(memo.stats().misses, 3);
+    }
+
+    /// A completions prompt (or a chat message) of a long document and a question in one text:
+    /// the whole text is never met twice; its segments are met again.
+    #[test]
+    fn a_long_shared_prefix_inside_one_text_is_taken_from_memory_but_its_last_segment() {
+        let mut memo = ChainMemo::default();
+        let document = text(4, 2_000);
+        let segments = {
+            let mut n = 0;
+            let prompt = format!("{document} question number 0: why?");
+            let mut start = 0;
+            while start < prompt.len() {
+                start = super::super::segments::segment_end(prompt.as_bytes(), start);
+                n += 1;
+            }
+            n
+        };
+        assert!(segments >= 5, "{segments} segments");
+        for i in 0..6 {
+            let prompt = format!("{document} question number {i}: why?");
+            let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+            let request = parse_request(body.as_bytes()).unwrap();
+            let before = memo.stats();
+            assert_eq!(
+                hash_request_memo(&request, CONFIG, &mut memo),
+                hash_request(&request, CONFIG)
+            );
+            let (hits, misses) = (
+                memo.stats().hits - before.hits,
+                memo.stats().misses - before.misses,
+            );
+            // From the second time on, the whole text (another question each time) is looked up
+            // before its segments.
+            match i {
+                // Its first segment never met: nothing else is looked up.
+                0 => assert_eq!((hits, misses), (0, 1)),
+                // Met twice: the first segment and the ones after it are remembered now; the
+                // last one (the question in it) is met once.
+                1 => assert_eq!((hits, misses), (0, 1 + segments as u64)),
+                // Every segment but the last from memory.
+                _ => assert_eq!((hits, misses), (segments as u64 - 1, 1 + 1), "request {i}"),
+            }
+        }
+        assert_eq!(memo.len(), segments - 1);
     }
 
     #[test]
     fn prompts_that_never_repeat_push_nothing_out_of_the_memo() {
         let mut memo = ChainMemo::new(2_000);
-        let system = chat(&[("system", text(1, 400))]);
+        let system = chat(&[("system", text(1, 250))]);
         for _ in 0..3 {
             hash_request_memo(&parse_request(&system).unwrap(), CONFIG, &mut memo);
         }
         let hits = memo.stats().hits;
         for seed in 10..(10 + 3 * MAX_SEEN / 2) {
-            let body = chat(&[("system", format!("request {seed}. {}", text(seed, 60)))]);
+            // Long enough to be cut into segments: one key each (its first segment's).
+            let body = chat(&[("system", format!("request {seed}. {}", text(seed, 700)))]);
+            let misses = memo.stats().misses;
             hash_request_memo(&parse_request(&body).unwrap(), CONFIG, &mut memo);
+            assert_eq!(memo.stats().misses, misses + 1);
         }
         assert_eq!(
             memo.len(),

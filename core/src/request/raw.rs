@@ -24,7 +24,7 @@ use std::str;
 
 /// The bytes of a JSON string between its quotes, checked to decode: UTF-8, no control
 /// characters, only JSON's escapes, surrogates in pairs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct JsonStr<'a> {
     raw: &'a [u8],
     escaped: bool,
@@ -34,6 +34,15 @@ impl<'a> JsonStr<'a> {
     /// The string's bytes as they are in the body (escapes not decoded).
     pub fn raw(&self) -> &'a [u8] {
         self.raw
+    }
+
+    /// The same string's `raw` part (between two of its characters, never inside an escape):
+    /// a segment of a long text (`hashing::segments` cuts before a word).
+    pub(crate) fn with_raw<'b>(&self, raw: &'b [u8]) -> JsonStr<'b> {
+        JsonStr {
+            raw,
+            escaped: self.escaped,
+        }
     }
 
     /// Appends the decoded string's UTF-8 bytes to `out`, as serde_json decodes it. The bytes
@@ -622,7 +631,9 @@ pub(super) mod tests {
             r"\f",
             r"\r",
             r"\u00e9",
+            r"\u003c",
             r"\u0041",
+            r"\u0020",
             r"\u2028",
             r"\ud83d\ude00",
             "é",
@@ -633,9 +644,10 @@ pub(super) mod tests {
         ])
     }
 
-    /// A JSON string's contents, long enough (with `long`) for the memo to keep.
+    /// A JSON string's contents, long enough (with `long`) for the memo to keep, often long
+    /// enough to be cut into segments (`hashing::segments`).
     fn contents(long: bool) -> impl Strategy<Value = String> {
-        let n = if long { 60..200 } else { 0..8 };
+        let n = if long { 60..700 } else { 0..8 };
         prop::collection::vec(fragment(), n).prop_map(|f| f.concat())
     }
 
@@ -707,6 +719,32 @@ pub(super) mod tests {
                 prop_assert_eq!(got, hash_request(&parsed, config));
             }
         }
+    }
+
+    /// A message's segment in the middle of one message and the same bytes ending another
+    /// (where the line break after the content is tokenized with them) are told apart.
+    #[test]
+    fn the_same_bytes_as_a_middle_and_as_a_last_segment_hash_apart() {
+        // Three parts of more than a segment each.
+        let part = |w: &str| format!("{w} ").repeat(crate::hashing::segments::SEGMENT_BYTES / 4);
+        let (x, y, z) = (part("alpha"), part("beta"), part("gamma"));
+        let config = HashConfig::default();
+        let mut memo = ChainMemo::default();
+        for content in [
+            format!("{x}{y}{z}"),
+            format!("{x}{y}{z}"),
+            format!("{x}{y}"),
+        ] {
+            let body = body(&content, "why?", "");
+            let raw = read_request(body.as_bytes()).unwrap();
+            let mut got = BlockHashes::default();
+            hash_raw_memo_into(&raw, config, &mut memo, &mut got);
+            assert_eq!(
+                got,
+                hash_request(&parse_request(body.as_bytes()).unwrap(), config)
+            );
+        }
+        assert!(memo.stats().hits > 0, "{:?}", memo.stats());
     }
 
     proptest! {
