@@ -20,6 +20,7 @@ Sections:
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -872,15 +873,62 @@ def run_cache(env, scenarios, routers, quick):
 # --------------------------------------------------------------------------------------------
 
 
-def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm", line_words=0,
-            completions=False):
-    """`line_words`: a line break (`\\n` in the JSON) every that many words of the prompts; 0,
-    none. `completions`: the prompts as completions bodies to /v1/completions (bench/chat.lua)."""
-    path = "/v1/completions" if completions else "/v1/chat/completions"
+@dataclasses.dataclass(frozen=True)
+class Bodies:
+    """What the cost bodies (bench/chat.lua) are like besides their size and warmth.
+
+    `line_words`: a line break (`\\n` in the JSON) every that many words of the prompts; 0,
+    none. `completions`: the prompts as completions bodies to /v1/completions. `questions`:
+    distinct questions per tenant of the warm bodies (4: the same 64 bodies cycle, each met
+    again and again; hundreds: a known system prompt or document with a question not met
+    lately, which is what a completions prompt, one string, meets in practice)."""
+    line_words: int = 0
+    completions: bool = False
+    questions: int = 4
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(args.line_words, args.completions, args.questions)
+
+    def path(self):
+        return "/v1/completions" if self.completions else "/v1/chat/completions"
+
+    def env(self):
+        return {"LINE_WORDS": str(self.line_words), "COMPLETIONS": "1" if self.completions else "0",
+                "QUESTIONS": str(self.questions)}
+
+    def describe(self):
+        """A sentence for the reports (empty for the default bodies)."""
+        parts = []
+        if self.line_words:
+            parts.append(f" Prompts broken into lines of {self.line_words} words (a `\\n` "
+                         f"escape each).")
+        if self.completions:
+            parts.append(" Completions bodies (`prompt`: the system prompt and the question) to "
+                         "/v1/completions.")
+        if self.questions != 4:
+            parts.append(f" Warm bodies: {self.questions} questions per tenant.")
+        return "".join(parts)
+
+
+def add_bodies_arguments(p):
+    """The command-line options of [`Bodies`]."""
+    p.add_argument("--line-words", type=int, default=0,
+                   help="prompts broken into lines of this many words (a JSON `\\n` escape "
+                        "each, as in most real prompts); 0 (default): one line")
+    p.add_argument("--completions", action="store_true",
+                   help="the prompts as completions bodies (`prompt`) to /v1/completions")
+    p.add_argument("--questions", type=int, default=4,
+                   help="distinct questions per tenant of the warm bodies (default 4: 64 bodies "
+                        "that cycle; e.g. 512: a known prefix with a question not met lately)")
+
+
+def wrk_run(env, url, body_bytes, connections, duration_s, warmth="warm", bodies=Bodies()):
+    """One wrk run of bench/chat.lua's bodies (see [`Bodies`])."""
     argv = [env.wrk, "-t1", f"-c{connections}", f"-d{duration_s}s", "--timeout", "5s",
-            "-s", BENCH / "chat.lua", f"{url}{path}"]
+            "-s", BENCH / "chat.lua", f"{url}{bodies.path()}"]
     e = dict(os.environ, BODY_BYTES=str(body_bytes), COLD="1" if warmth == "cold" else "0",
-             LINE_WORDS=str(line_words), COMPLETIONS="1" if completions else "0")
+             **bodies.env())
     r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, env=e,
                        timeout=duration_s + 60)
     line = next((l for l in r.stdout.splitlines() if l.startswith("WRK_JSON ")), None)
@@ -904,7 +952,7 @@ def cost_key(size, warmth):
 
 
 def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("warm",),
-             line_words=0, completions=False):
+             bodies=Bodies()):
     """For each size and warmth, each system: a 1-connection run (unloaded latency) and a
     `connections`-connection run (throughput). Rounds alternate the order of the systems so
     that drift in the machine's load does not always favour the same one; the median of the
@@ -924,12 +972,11 @@ def run_cost(env, systems, sizes, duration_s, connections, rounds, warmths=("war
                         router = Router(env, kind, backends, f"cost-{key}")
                         try:
                             # warm-up
-                            wrk_run(env, router.url, size, connections, 1, warmth, line_words,
-                                    completions)
+                            wrk_run(env, router.url, size, connections, 1, warmth, bodies)
                             lat = wrk_run(env, router.url, size, 1, duration_s, warmth,
-                                          line_words, completions)
+                                          bodies)
                             thr = wrk_run(env, router.url, size, connections, duration_s,
-                                          warmth, line_words, completions)
+                                          warmth, bodies)
                             stats = router.plugin_stats()
                         finally:
                             router.close()
@@ -1120,18 +1167,13 @@ def report_cache_targets(entries):
     return "\n".join(lines)
 
 
-def report_cost(cost, duration_s, connections, rounds, line_words=0, completions=False):
-    breaks = (f" Prompts broken into lines of {line_words} words (a `\\n` escape each)."
-              if line_words else "")
-    if completions:
-        breaks += " Completions bodies (`prompt`: the system prompt and the question) to " \
-                  "/v1/completions."
+def report_cost(cost, duration_s, connections, rounds, bodies=Bodies()):
     lines = [f"wrk -t1, {duration_s} s per run, median of {rounds} round(s); unloaded = 1 "
              f"connection (closed loop), loaded = {connections} connections. Envoy "
              f"--concurrency {ENVOY_CONCURRENCY}. Ratios are to Envoy ROUND_ROBIN in the same "
              f"run; added = minus Envoy RR. Warm: bodies cycle through 16 tenants x 4 "
              f"questions; cold: a unique first line per request, so no block ever matches."
-             f"{breaks}",
+             f"{bodies.describe()}",
              ""]
     for cell in cost.values():
         systems = cell["systems"]
@@ -1327,11 +1369,7 @@ def main():
                    help="cost body sizes in KB")
     p.add_argument("--warmth", default=",".join(COST_WARMTH),
                    help="cost prompts: warm (prefixes seen before), cold (never seen), or both")
-    p.add_argument("--line-words", type=int, default=0,
-                   help="cost prompts broken into lines of this many words (a JSON `\\n` "
-                        "escape each, as in most real prompts); 0 (default): one line")
-    p.add_argument("--completions", action="store_true",
-                   help="cost prompts as completions bodies (`prompt`) to /v1/completions")
+    add_bodies_arguments(p)
     p.add_argument("--wait-idle", type=float, default=0,
                    help="wait up to this many seconds for the 1-minute load average to drop "
                         "below --idle-load before starting")
@@ -1402,11 +1440,11 @@ def main():
         if "sweep" in sections:
             results["sweep"] = run_sweep(env, sweep_scenarios, sweep_routers, costs, quick)
         if "cost" in sections:
+            bodies = Bodies.from_args(args)
             results["cost"] = run_cost(env, cost_systems, cost_sizes, duration, connections,
-                                       rounds, cost_warmth, args.line_words, args.completions)
+                                       rounds, cost_warmth, bodies)
             results["cost_settings"] = {"duration_s": duration, "connections": connections,
-                                        "rounds": rounds, "line_words": args.line_words,
-                                        "completions": args.completions}
+                                        "rounds": rounds, **dataclasses.asdict(bodies)}
         if "scale" in sections:
             results["scale"] = run_scale(quick)
     finally:
@@ -1490,8 +1528,8 @@ def main():
                 plugin_problems(f"cost/{key}/{kind}", stats or {})
     if "cost" in results:
         md += ["## Cost per request", "",
-               report_cost(results["cost"], duration, connections, rounds, args.line_words,
-                           args.completions)]
+               report_cost(results["cost"], duration, connections, rounds,
+                           Bodies.from_args(args))]
         entries = cost_targets(results["cost"])
         results["cost_targets"] = entries
         if entries:

@@ -13,6 +13,8 @@ system's cost above Envoy-without-a-filter to the first plugin's.
   python3 bench/cpu_ab.py --sizes 1,8,64 --warmth warm,cold --rounds 5
   python3 bench/cpu_ab.py --sizes 8,64 --line-words 12   (prompts broken into lines)
   python3 bench/cpu_ab.py --sizes 8,64 --completions      (completions bodies)
+  python3 bench/cpu_ab.py --sizes 64 --warmth warm --completions --questions 512
+      (a known prefix with a question not met lately, rather than 64 bodies that cycle)
   python3 bench/cpu_ab.py --sizes 8 --warmth warm --floor-variant 12:0 --floor-variant 12:12
       (what a shared-data get and set cost Envoy: the floor filter plus that many calls)
 
@@ -94,9 +96,9 @@ class Served(bench.Router):
         self.pid = envoy_pid(self)
 
 
-def measure(env, served, size, warmth, duration, line_words, completions):
+def measure(env, served, size, warmth, duration, bodies):
     before = cpu_seconds(served.pid)
-    run = bench.wrk_run(env, served.url, size, 32, duration, warmth, line_words, completions)
+    run = bench.wrk_run(env, served.url, size, 32, duration, warmth, bodies)
     used = cpu_seconds(served.pid) - before
     return {"cpu_us": used / max(run["requests"], 1) * 1e6, "rps": run["rps"],
             "errors": run["errors"]}
@@ -112,14 +114,11 @@ def main():
     p.add_argument("--sizes", default="8,64", help="body sizes in KB")
     p.add_argument("--warmth", default="warm,cold")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--line-words", type=int, default=0,
-                   help="prompts broken into lines of this many words (a JSON `\\n` escape "
-                        "each); 0 (default): one line")
-    p.add_argument("--completions", action="store_true",
-                   help="the prompts as completions bodies (`prompt`) to /v1/completions")
+    bench.add_bodies_arguments(p)
     p.add_argument("--duration", type=int, default=4, help="seconds per wrk run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    bodies = bench.Bodies.from_args(args)
     plugins, env = bench.ab_setup(args, "cpu-ab")
     floor = args.floor_wasm or str(build_floor())
     fleet = bench.start_fleet(env, 4, 4096, 4096, 0, 0, "cpu")
@@ -139,13 +138,12 @@ def main():
                 key = f"{size // 1024} KB {warmth}"
                 runs = {s.name: [] for s in systems}
                 for s in systems:  # warm-up: JIT tiers, the plugin's scrapes and memo
-                    bench.wrk_run(env, s.url, size, 32, 1, warmth, args.line_words,
-                                  args.completions)
+                    bench.wrk_run(env, s.url, size, 32, 1, warmth, bodies)
                 for rnd in range(args.rounds):
                     order = systems if rnd % 2 == 0 else systems[::-1]
                     for s in order:
                         runs[s.name].append(measure(env, s, size, warmth, args.duration,
-                                                    args.line_words, args.completions))
+                                                    bodies))
                 results[key] = {name: {"cpu_us": statistics.median(r["cpu_us"] for r in rs),
                                        "rps": statistics.median(r["rps"] for r in rs),
                                        "errors": sum(r["errors"] for r in rs),
