@@ -170,16 +170,17 @@ struct Edge {
 pub const MIN_MESSAGE_BYTES: usize = 256;
 /// Block hashes the memo keeps by default (two generations of half), 8 bytes each: 1 MB.
 pub const DEFAULT_CAPACITY_BLOCKS: usize = 131_072;
-/// Segments held (a 64 KB prompt is ~30 of them).
+/// Texts and segments held (a 64 KB prompt is ~30 segments).
 const MAX_ENTRIES: usize = 4_096;
-/// Keys of messages met once, remembered to admit them when met again.
+/// Keys of texts and segments met once, remembered to admit them when met again.
 const MAX_SEEN: usize = 4_096;
 
 /// The memo's key of `bytes` met in the chain state `seed`: xxh3 of the bytes, mixed with the
-/// seed. A key reads every byte of every message the memo is asked about, hits and misses
-/// alike: xxh3's long-input loop takes 64 bytes a step (wasm SIMD in the plugin), ~4x fewer
-/// wasm instructions per byte than xxh64's chain of multiplies (docs/benchmarks.md). Unseeded,
-/// so it never derives a secret from the seed; the seed is mixed in after.
+/// seed. A key reads every byte it keys (all of a text met before, the first segment of a
+/// long one that was not): xxh3's long-input loop takes 64 bytes a step (wasm SIMD in the
+/// plugin), ~4x fewer wasm instructions per byte than xxh64's chain of multiplies
+/// (docs/benchmarks.md). Unseeded, so it never derives a secret from the seed; the seed is
+/// mixed in after.
 fn message_key(bytes: &[u8], seed: u64) -> u64 {
     xxh64_pair(xxh3_64(bytes), seed)
 }
