@@ -14,7 +14,7 @@
 //! A long message, or a completions prompt, often repeats only its beginning (a document, then
 //! a new question): it is also known by its segments ([`super::segments`], cut where a word
 //! starts, which changes no hash), each keyed the same way, so that only the segments after
-//! the shared beginning are tokenized (see [`ChainMemo::chain`] for which are looked up and
+//! the shared beginning are tokenized (see `ChainMemo::chain` for which are looked up and
 //! kept).
 //!
 //! A text is remembered the second time it is met, not the first: a stream of prompts that
