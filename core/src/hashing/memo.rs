@@ -45,9 +45,10 @@ const RAW_KEYS: u64 = 0x7261_775f_6b65_7973;
 /// Mixed into the seed of the keys of completions prompts read in place ([`Source::Prompt`]).
 const RAW_TEXT_KEYS: u64 = 0x7261_775f_7465_7874;
 
-/// Mixed into the seed of the keys of a message's last segment read in place: the line break
-/// after it is tokenized with it, and not after the same bytes in the middle of a longer one
-/// (the length checked on a hit tells them apart too).
+/// Mixed into the seed of the keys of a text's last segment (or of a text of one segment): it
+/// ends the text's run of bytes (and a message's line break follows it), which the same bytes
+/// as a longer text's first or middle segment do not (found by the property test of one memo
+/// shared by both readings: the two were keyed alike and left the open block apart).
 const LAST_KEYS: u64 = 0x6c61_7374_5f73_6567;
 
 /// Mixed into the seed of the key of a text of more than one segment, hashed on from its first
@@ -99,23 +100,19 @@ impl<'a> Source<'a> {
     /// read in place are seeded apart from the decoded texts' and from each other's, so that
     /// the raw bytes of one text never key another's decoded text (`a\nb` written out is
     /// another text than `a\nb` decoded); a message's role seeds its first segment's key (the
-    /// header precedes it), and its last segment's is seeded apart (the line break follows).
+    /// header precedes it), and every text's last segment's is seeded apart ([`LAST_KEYS`]).
     fn key(&self, state: u64, piece: &[u8], edge: Edge) -> u64 {
         let seed = match *self {
             Source::Decoded(_) => state,
-            Source::Message(message) => {
-                let mut seed = state ^ RAW_KEYS;
-                if edge.first {
-                    seed = message_key(message.role.as_bytes(), seed);
-                }
-                if edge.last {
-                    seed ^= LAST_KEYS;
-                }
-                seed
+            Source::Message(message) if edge.first => {
+                message_key(message.role.as_bytes(), state ^ RAW_KEYS)
             }
+            Source::Message(_) => state ^ RAW_KEYS,
             Source::Prompt(_) => state ^ RAW_TEXT_KEYS,
         };
-        message_key(piece, seed)
+        // A last segment ends its text's run of bytes; the same bytes inside a longer text
+        // leave the open block's bytes to the next segment: another state after them.
+        message_key(piece, if edge.last { seed ^ LAST_KEYS } else { seed })
     }
 
     /// Continues `chain` with the segment `piece` (at most `bytes` long written out),
@@ -604,6 +601,30 @@ mod tests {
             }
         }
         assert_eq!(memo.len(), segments - 1);
+    }
+
+    /// A prompt of one segment whose bytes are another prompt's first segment: the first ends
+    /// its run of bytes (its last block hashes them), the second leaves them to its next
+    /// segment. Keyed alike, the memo gave the second's state to the first.
+    #[test]
+    fn a_text_of_one_segment_is_not_taken_for_a_longer_texts_first() {
+        use crate::hashing::segments::segment_end;
+        // The second "question" of the longer prompt starts just past 2 KB: a cut there.
+        let start = format!("{}x question ", "w ".repeat(1020));
+        let (short, long) = (start.clone(), format!("{start}question "));
+        assert_eq!(segment_end(short.as_bytes(), 0), short.len());
+        assert_eq!(segment_end(long.as_bytes(), 0), short.len());
+        let mut memo = ChainMemo::default();
+        for prompt in [&long, &long, &long, &short, &short, &short] {
+            let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+            let request = parse_request(body.as_bytes()).unwrap();
+            assert_eq!(
+                hash_request_memo(&request, CONFIG, &mut memo),
+                hash_request(&request, CONFIG),
+                "{} bytes",
+                prompt.len()
+            );
+        }
     }
 
     #[test]
