@@ -163,6 +163,19 @@ struct Edge {
     last: bool,
 }
 
+impl Edge {
+    /// A text of one segment.
+    const WHOLE: Edge = Edge {
+        first: true,
+        last: true,
+    };
+    /// The first segment of a longer text.
+    const FIRST: Edge = Edge {
+        first: true,
+        last: false,
+    };
+}
+
 /// Segments shorter than this are hashed directly: a lookup would cost about what it saves.
 pub const MIN_MESSAGE_BYTES: usize = 256;
 /// Block hashes the memo keeps by default (two generations of half), 8 bytes each: 1 MB.
@@ -292,15 +305,9 @@ impl ChainMemo {
         let scratch = &mut scratch;
         let (cut, before, after) = text.layout();
         let bytes = cut.len() + before + after;
-        let whole = Edge {
-            first: true,
-            last: true,
-        };
-        // Where its first segment ends (a text too short to look up is not cut).
-        let first_end = match bytes < MIN_MESSAGE_BYTES {
-            true => cut.len(),
-            false => super::segments::segment_end(cut, 0),
-        };
+        let whole = Edge::WHOLE;
+        // Where its first segment ends (a text shorter than a segment is one).
+        let first_end = super::segments::segment_end(cut, 0);
         if bytes < MIN_MESSAGE_BYTES {
             text.push(whole, cut, bytes, chain, out, scratch);
         } else if first_end == cut.len() {
@@ -308,11 +315,7 @@ impl ChainMemo {
             let segment = (whole, cut, bytes);
             self.chain_keyed(key, Admit::Twice, text, segment, chain, out, scratch);
         } else {
-            let first = Edge {
-                first: true,
-                last: false,
-            };
-            let first_key = text.key(chain.state_key(), &cut[..first_end], first);
+            let first_key = text.key(chain.state_key(), &cut[..first_end], Edge::FIRST);
             if !self.known(first_key) {
                 self.stats.misses += 1;
                 self.admits(first_key, Admit::Twice);
@@ -345,11 +348,7 @@ impl ChainMemo {
         scratch: &mut Vec<u8>,
     ) {
         let (cut, before, after) = text.layout();
-        let first = Edge {
-            first: true,
-            last: false,
-        };
-        let segment = (first, &cut[..first_end], first_end + before);
+        let segment = (Edge::FIRST, &cut[..first_end], first_end + before);
         self.chain_keyed(first_key, Admit::Twice, text, segment, chain, out, scratch);
         let mut start = first_end;
         while start < cut.len() {
