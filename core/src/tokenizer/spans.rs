@@ -6,7 +6,7 @@
 //! V8, a cold 64 KB prompt spent most of its tokenizer time in those mispredicted branches and
 //! in FNV-1a's multiply chain, not in the instructions the wasm fuel counts (docs/benchmarks.md).
 //! A block known by its text needs neither: only where every `block_size`-th piece starts.
-//! Here each 64-byte chunk is classified into four bit masks without a branch, the first byte
+//! Here each 64-byte chunk is classified into three bit masks without a branch, the first byte
 //! of every piece is computed from the masks (a word's run of `_` and continuation bytes is
 //! filled by one addition, with a carry into the next chunk), and the pieces are counted with
 //! one population count per chunk; only the piece that opens a block is looked for.
@@ -23,10 +23,10 @@ use super::{NonAscii, Stopped, CLASS, LEAD, LETTER_LEAD, PUNCT, WORD};
 const W: u8 = 1;
 /// Continues a word begun before it: `_` (with [`NonAscii::Pieces`], a continuation byte).
 const M: u8 = 2;
-/// A piece of its own where no word continues: the punctuation, `_` among it.
+/// A piece of its own where no word continues: the punctuation, `_` among it, and (pieces
+/// only) the first byte of any other character outside ASCII. Such a byte is never inside a
+/// word, so one mask serves both: a fourth would cost every chunk four more `bitmask`es.
 const P: u8 = 4;
-/// A piece of its own: the first byte of any other character outside ASCII (pieces only).
-const L: u8 = 8;
 
 const fn bits_table(skip: bool) -> [u8; 256] {
     let mut table = [0u8; 256];
@@ -37,7 +37,7 @@ const fn bits_table(skip: bool) -> [u8; 256] {
             PUNCT if b == b'_' as usize => P | M,
             PUNCT => P,
             LETTER_LEAD if !skip => W,
-            LEAD if !skip => L,
+            LEAD if !skip => P,
             // A continuation byte continues a word only after a letter's first byte.
             _ if !skip && b & 0xc0 == 0x80 => M,
             _ => 0,
@@ -50,13 +50,12 @@ const fn bits_table(skip: bool) -> [u8; 256] {
 const BITS_PIECES: [u8; 256] = bits_table(false);
 const BITS_SKIP: [u8; 256] = bits_table(true);
 
-/// The four class masks of a 64-byte chunk, bit `i` for byte `i`.
+/// The three class masks of a 64-byte chunk, bit `i` for byte `i`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Masks {
     w: u64,
     m: u64,
     p: u64,
-    l: u64,
 }
 
 /// The masks eight bytes at a time from the class tables: the reference the SIMD versions are
@@ -83,7 +82,6 @@ fn masks_by_table<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
         out.w |= gather(0) << (8 * k);
         out.m |= gather(1) << (8 * k);
         out.p |= gather(2) << (8 * k);
-        out.l |= gather(3) << (8 * k);
     }
     out
 }
@@ -111,9 +109,9 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
             alnum,
             v128_or(u8x16_eq(v, splat(b'`')), u8x16_eq(v, splat(b'|'))),
         );
-        let p = v128_andnot(within(v, 0x21, 0x5e), others);
-        let (w, m, l) = if SKIP {
-            (alnum, underscore, u8x16_splat(0))
+        let punctuation = v128_andnot(within(v, 0x21, 0x5e), others);
+        let (w, m, p) = if SKIP {
+            (alnum, underscore, punctuation)
         } else {
             let letter_lead = within(v, 0xc3, 0xdf - 0xc3 + 1);
             let continuation = within(v, 0x80, 0x40);
@@ -121,14 +119,13 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
             (
                 v128_or(alnum, letter_lead),
                 v128_or(underscore, continuation),
-                lead,
+                v128_or(punctuation, lead),
             )
         };
         let shift = 16 * k;
         out.w |= u64::from(u8x16_bitmask(w)) << shift;
         out.m |= u64::from(u8x16_bitmask(m)) << shift;
         out.p |= u64::from(u8x16_bitmask(p)) << shift;
-        out.l |= u64::from(u8x16_bitmask(l)) << shift;
     }
     out
 }
@@ -163,9 +160,9 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
                 ),
             );
             // `_mm_andnot_si128(a, b)` is `!a & b`.
-            let p = _mm_andnot_si128(others, within(v, 0x21, 0x5e));
-            let (w, m, l) = if SKIP {
-                (alnum, underscore, _mm_setzero_si128())
+            let punctuation = _mm_andnot_si128(others, within(v, 0x21, 0x5e));
+            let (w, m, p) = if SKIP {
+                (alnum, underscore, punctuation)
             } else {
                 let letter_lead = within(v, 0xc3, 0xdf - 0xc3 + 1);
                 let continuation = within(v, 0x80, 0x40);
@@ -173,14 +170,13 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
                 (
                     _mm_or_si128(alnum, letter_lead),
                     _mm_or_si128(underscore, continuation),
-                    lead,
+                    _mm_or_si128(punctuation, lead),
                 )
             };
             let bits = |x: __m128i| u64::from(_mm_movemask_epi8(x) as u16) << (16 * k);
             out.w |= bits(w);
             out.m |= bits(m);
             out.p |= bits(p);
-            out.l |= bits(l);
         }
         out
     }
@@ -204,12 +200,12 @@ fn masks<const SKIP: bool>(chunk: &[u8; 64]) -> Masks {
 /// bits (the byte after a run is not in `m`, so the carry stops there).
 #[inline(always)]
 fn piece_starts(masks: Masks, in_word: &mut u64) -> u64 {
-    let Masks { w, m, p, l } = masks;
+    let Masks { w, m, p } = masks;
     let first = ((w << 1) | *in_word) & m;
     let inside = w | (m.wrapping_add(first) ^ m) & m;
     let before = (inside << 1) | *in_word;
     *in_word = inside >> 63;
-    (w & !before) | (p & !inside) | l
+    (w & !before) | (p & !inside)
 }
 
 /// Counts the pieces of a stopped text into `filled`, the pieces of a chain's open block
@@ -329,7 +325,10 @@ mod tests {
             let bits = BITS_PIECES[b as usize];
             let punct =
                 (0x21..=0x7e).contains(&b) && !b.is_ascii_alphanumeric() && b != b'`' && b != b'|';
-            assert_eq!(bits & P != 0, punct, "{b:#04x}");
+            let other_lead = b >= 0xc0 && !(0xc3..=0xdf).contains(&b);
+            assert_eq!(bits & P != 0, punct || other_lead, "{b:#04x}");
+            // A piece of its own that could be inside a word would need a mask of its own.
+            assert!(!(other_lead && bits & (W | M) != 0), "{b:#04x}");
             assert_eq!(
                 bits & W != 0,
                 b.is_ascii_alphanumeric() || (0xc3..=0xdf).contains(&b),
@@ -340,17 +339,8 @@ mod tests {
                 b == b'_' || (0x80..0xc0).contains(&b),
                 "{b:#04x}"
             );
-            assert_eq!(
-                bits & L != 0,
-                b >= 0xc0 && !(0xc3..=0xdf).contains(&b),
-                "{b:#04x}"
-            );
             let skip = BITS_SKIP[b as usize];
-            assert_eq!(
-                skip,
-                bits & !L & if b.is_ascii() { 0xff } else { 0 },
-                "{b:#04x}"
-            );
+            assert_eq!(skip, if b.is_ascii() { bits } else { 0 }, "{b:#04x}");
         }
     }
 
