@@ -8,11 +8,13 @@
 //! only each message's extent, checked, and a key of its bytes. [`read_request`] finds and
 //! checks the contents sixteen bytes at a time (with wasm SIMD; eight without) and keeps them as
 //! they are in the body; the hashing decodes a content only when the memo does not hold it
-//! (`hashing::hash_raw_memo_into`). A completions `prompt` of one string is read the same way.
+//! (`hashing::hash_raw_memo_into`). A completions `prompt` of one string is read the same way,
+//! and so is a content written as a list of one text part (`[{"type": "text", "text": …}]`).
 //!
 //! It reads the common shape only and declines (`None`) everything else, for
 //! [`parse_request`](super::parse_request) to read as before: a body whose answer it is not
-//! sure to give exactly (a key or role with escapes, content as a list of parts, a repeated
+//! sure to give exactly (a key or role with escapes, content as a list of several parts or of
+//! another kind of part, a repeated
 //! routing key, a `prompt` that is not one string, both `messages` and `prompt`, a number that
 //! is not a plain integer, deep nesting) or that is wrong (not JSON, a field of the wrong
 //! type). Whatever it accepts, `parse_request` accepts too and reads the same fields and text
@@ -170,7 +172,7 @@ pub fn read_request(body: &[u8]) -> Option<RawRequest<'_>> {
     let mut max_completion_tokens = None;
     let mut messages: Option<Vec<RawMessage>> = None;
     let mut prompt = None;
-    r.object(|r, key| match key {
+    r.object(&mut |r, key| match key {
         b"model" => once(&mut model, r.plain_str_or_null()?),
         b"cache_salt" => once(&mut cache_salt, r.plain_str_or_null()?),
         b"stream" => once(&mut stream, r.bool_or_null()?),
@@ -332,6 +334,13 @@ struct Reader<'a> {
     at: usize,
 }
 
+/// What `Reader::object` calls with each member's value, and `Reader::array` with each
+/// element: through `dyn`, one copy of each serves every caller. Generic, each closure had its
+/// own (the reader of one text part alone added 1.2 KB to the `.wasm`); this costs ~350 wasm
+/// instructions a request (calls through memory), 0.1–0.5% (docs/benchmarks.md).
+type Member<'a, 'r> = dyn FnMut(&mut Reader<'a>, &'a [u8]) -> Option<()> + 'r;
+type Element<'a, 'r> = dyn FnMut(&mut Reader<'a>) -> Option<()> + 'r;
+
 impl<'a> Reader<'a> {
     fn peek(&self) -> Option<u8> {
         self.bytes.get(self.at).copied()
@@ -456,22 +465,23 @@ impl<'a> Reader<'a> {
     /// `messages`: an array of message objects.
     fn messages(&mut self) -> Option<Vec<RawMessage<'a>>> {
         let mut messages = Vec::new();
-        self.array(|r| {
+        self.array(&mut |r| {
             messages.push(r.message()?);
             Some(())
         })?;
         Some(messages)
     }
 
-    /// One message: a string `role` (no escapes), `content` a string or `null`.
+    /// One message: a string `role` (no escapes), `content` a string, one text part or `null`.
     fn message(&mut self) -> Option<RawMessage<'a>> {
         let mut role: Option<&'a str> = None;
         let mut content: Option<Option<JsonStr<'a>>> = None;
-        self.object(|r, key| match key {
+        self.object(&mut |r, key| match key {
             b"role" => once(&mut role, r.plain_str_or_null()??),
             b"content" => {
                 let value = match r.peek()? {
                     b'"' => Some(r.string()?),
+                    b'[' => Some(r.one_text_part()?),
                     _ => r.literal(b"null").map(|()| None)?,
                 };
                 once(&mut content, value)
@@ -484,9 +494,26 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// A content written as a list of one text part, `[{"type": "text", "text": "…"}]` (keys
+    /// in either order), as SDKs and frameworks send it: `parse_request` reads its text as the
+    /// content, so it is read as a string content is. Any other list (several parts, an image,
+    /// another key) is declined.
+    fn one_text_part(&mut self) -> Option<JsonStr<'a>> {
+        let (mut parts, mut kind, mut text) = (0, None, None);
+        self.array(&mut |r| {
+            parts += 1;
+            r.object(&mut |r, key| match key {
+                b"type" => once(&mut kind, r.string()?.raw),
+                b"text" => once(&mut text, r.string()?),
+                _ => None,
+            })
+        })?;
+        (parts == 1 && kind == Some(&b"text"[..])).then_some(text)?
+    }
+
     /// An object from its `{`: `member` reads each value after its key (keys with escapes
     /// are declined: one could spell a routing field).
-    fn object(&mut self, mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>) -> Option<()> {
+    fn object(&mut self, member: &mut Member<'a, '_>) -> Option<()> {
         self.eat(b'{')?;
         self.skip_ws();
         if self.peek()? == b'}' {
@@ -513,7 +540,7 @@ impl<'a> Reader<'a> {
     }
 
     /// An array from its `[`: `element` reads each element.
-    fn array(&mut self, mut element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+    fn array(&mut self, element: &mut Element<'a, '_>) -> Option<()> {
         self.eat(b'[')?;
         self.skip_ws();
         if self.peek()? == b']' {
@@ -539,8 +566,10 @@ impl<'a> Reader<'a> {
         }
         match self.peek()? {
             b'"' => self.string().map(|_| ()),
-            b'{' => self.object(|r, _| r.skip_value(depth + 1)),
-            b'[' => self.array(|r| r.skip_value(depth + 1)),
+            // Through `dyn`: one copy of `object` and `array` for every value skipped (and
+            // the text parts), not one per nesting of closures (~1.6 KB of the `.wasm`).
+            b'{' => self.object(&mut |r, _| r.skip_value(depth + 1)),
+            b'[' => self.array(&mut |r| r.skip_value(depth + 1)),
             b't' => self.literal(b"true"),
             b'f' => self.literal(b"false"),
             b'n' => self.literal(b"null"),
@@ -721,6 +750,42 @@ pub(super) mod tests {
         }
     }
 
+    #[test]
+    fn a_content_of_one_text_part_is_read_in_place_as_the_same_string_is() {
+        let text = format!("{} why?", "the document says ".repeat(200));
+        let plain = body(&text, "q", "");
+        let expected = hash_request(
+            &parse_request(plain.as_bytes()).unwrap(),
+            HashConfig::default(),
+        );
+        for part in [
+            format!(r#"[{{"type":"text","text":"{text}"}}]"#),
+            format!(r#"[ {{ "text" : "{text}" , "type" : "text" }} ]"#),
+        ] {
+            let body = plain.replacen(&format!(r#""{text}""#), &part, 1);
+            let raw = read_request(body.as_bytes());
+            assert!(raw.is_some(), "declined: {body}");
+            let parsed = parse_request(body.as_bytes()).unwrap();
+            assert_same_request(&raw.unwrap(), &parsed).unwrap();
+            assert_eq!(hash_request(&parsed, HashConfig::default()), expected);
+        }
+        // Any other list is left to `parse_request`: several parts, another kind, another
+        // key, a repeated key, no part, a type spelled with an escape.
+        for content in [
+            r#"[{"type":"text","text":"a"},{"type":"text","text":"b"}]"#,
+            r#"[{"type":"image_url","image_url":{"url":"u"}}]"#,
+            r#"[{"type":"text","text":"a","cache_control":{"type":"ephemeral"}}]"#,
+            r#"[{"type":"text","type":"text","text":"a"}]"#,
+            r#"[{"type":"text","text":"a","text":"b"}]"#,
+            r#"[{"text":"a"}]"#,
+            r#"[]"#,
+            r#"[{"type":"t\u0065xt","text":"a"}]"#,
+        ] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":{content}}}]}}"#);
+            assert_eq!(read_request(body.as_bytes()), None, "{body}");
+        }
+    }
+
     /// A message's segment in the middle of one message and the same bytes ending another
     /// (where the line break after the content is tokenized with them) are told apart.
     #[test]
@@ -753,14 +818,16 @@ pub(super) mod tests {
         #[test]
         fn a_body_with_one_byte_changed_is_declined_or_read_as_serde_reads_it(
             system in contents(false),
-            completions in any::<bool>(),
+            shape in 0..3u8,
             at in any::<prop::sample::Index>(),
             byte in any::<u8>(),
         ) {
-            let mut body = if completions {
-                format!(r#"{{"model":"m","prompt":"{system}","stop":["a",null],"stream":true}}"#)
-            } else {
-                body(&system, "q", r#","tools":[{"a":[1.5e3,null]}],"stream":true"#)
+            let mut body = match shape {
+                0 => format!(r#"{{"model":"m","prompt":"{system}","stop":["a",null],"stream":true}}"#),
+                1 => body(&system, "q", r#","tools":[{"a":[1.5e3,null]}],"stream":true"#),
+                _ => format!(
+                    r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"{system}"}}]}}]}}"#
+                ),
             }
             .into_bytes();
             let i = at.index(body.len());
@@ -861,7 +928,7 @@ pub(super) mod tests {
     #[test]
     fn shapes_it_is_not_sure_of_are_left_to_parse_request() {
         for body in [
-            &br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}"#[..],
+            &br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#[..],
             br#"{"messages":[{"role":"us\u0065r","content":"a"}]}"#, // escaped role
             br#"{"m\u006fdel":"x","messages":[{"role":"user","content":"a"}]}"#, // escaped key
             br#"{"model":"a","model":"b","messages":[{"role":"user","content":"a"}]}"#,

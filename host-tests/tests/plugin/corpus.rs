@@ -333,8 +333,8 @@ fn a_special_byte_at_any_offset_of_a_content_is_read_as_core_reads_it() {
 }
 
 /// The same text spelled with escapes and without is the same prompt: the plugin decodes a
-/// chat content or a completions prompt it has not met (finding each escape with the reader's SIMD scan) before hashing
-/// it. So a prompt whose content escapes characters (`\u00e9\/`, `\u000a`, `\"\\\n\t`), at
+/// chat content (a string or one text part) or a completions prompt it has not met (finding
+/// each escape with the reader's SIMD scan) before hashing it. So a prompt whose content escapes characters (`\u00e9\/`, `\u000a`, `\"\\\n\t`), at
 /// every offset across the scan's 16- and 64-byte steps, sent after the same text spelled
 /// otherwise (`é/` written out, the other escapes of the same characters), must match all its
 /// full blocks, as an exact repeat does. A decoding that lost, kept or misplaced a byte would
@@ -352,27 +352,33 @@ fn a_content_with_escapes_hashes_as_the_same_text_written_out() {
     ];
     let filler = b"abc de fghij, klm nopq rstu vwxyz. ".repeat(5);
     for (s, (escaped, written)) in spellings.iter().enumerate() {
-        for (offset, completions) in (0..150).flat_map(|o| [(o, false), (o, true)]) {
-            // A chat's user message, or a completions prompt, holds the spelling twice.
+        for (offset, shape) in (0..150).flat_map(|o| [(o, "chat"), (o, "completions"), (o, "part")])
+        {
+            // A chat's user message (its content a string or one text part), or a completions
+            // prompt, holds the spelling twice.
             let request = |special: &[u8]| {
-                let head = format!("spelling {s} at {offset}, {completions}: ");
+                let head = format!("spelling {s} at {offset}, {shape}: ");
                 let mut text = head.into_bytes();
                 text.extend_from_slice(&filler[..offset]);
                 text.extend_from_slice(special);
                 text.extend_from_slice(&filler[offset..]);
                 text.extend_from_slice(special);
-                let (path, open, close): (_, &[u8], &[u8]) = if completions {
-                    ("/v1/completions", br#"{"model":"m","prompt":""#, br#""}"#)
-                } else {
-                    (
+                let (path, open, close): (_, &[u8], &[u8]) = match shape {
+                    "completions" => ("/v1/completions", br#"{"model":"m","prompt":""#, br#""}"#),
+                    "chat" => (
                         "/v1/chat/completions",
                         br#"{"model":"m","messages":[{"role":"user","content":""#,
                         br#""}]}"#,
-                    )
+                    ),
+                    _ => (
+                        "/v1/chat/completions",
+                        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":""#,
+                        br#""}]}]}"#,
+                    ),
                 };
                 Request::post(path, [open, &text, close].concat())
             };
-            let what = format!("spelling {s} at {offset}, completions {completions}");
+            let what = format!("spelling {s} at {offset}, {shape}");
             let parsed = prefixroute_core::parse_request(&request(written).body).unwrap();
             let hashes = hash_request(&parsed, HashConfig::default());
             // A repeat matches the full blocks (what a server caches), not the partial last.
