@@ -12,7 +12,9 @@
 //! default `non_ascii: pieces`), so there are about four times the tokens. TEXT `lines` breaks
 //! the line every twelve words: a `\n` escape every ~50 bytes of the body, as in most real
 //! prompts (markdown, code, documents). SHAPE `completions` (default `chat`) sends the same
-//! text as a completions body (`host_tests::bench::as_completions`) to `/v1/completions`. Cold: each request a
+//! text as a completions body (`host_tests::bench::as_completions`) to `/v1/completions`;
+//! `parts` writes every chat content as a list of one text part
+//! (`host_tests::bench::as_text_parts`). Cold: each request a
 //! new tenant's system prompt (no block matches); warm: one tenant's, a new question each. The
 //! bodies are the cost table's (`host_tests::bench::body`).
 //!
@@ -51,6 +53,16 @@ enum Text {
     /// ASCII with a line break every twelve words (an escape in the JSON every ~50 bytes, as
     /// in most real prompts: the benchmark bodies have none).
     Lines,
+}
+
+/// How the prompt is sent.
+#[derive(Clone, Copy)]
+enum Shape {
+    Chat,
+    /// One completions `prompt`: the contents joined.
+    Completions,
+    /// A chat whose every content is a list of one text part.
+    Parts,
 }
 
 fn main() {
@@ -105,10 +117,15 @@ fn run() -> Result<(), String> {
         Some("lines") => Text::Lines,
         Some(other) => return Err(format!("TEXT must be ascii, ja or lines, not {other:?}")),
     };
-    let completions = match args.get(7).map(String::as_str) {
-        None | Some("chat") => false,
-        Some("completions") => true,
-        Some(other) => return Err(format!("SHAPE must be chat or completions, not {other:?}")),
+    let shape = match args.get(7).map(String::as_str) {
+        None | Some("chat") => Shape::Chat,
+        Some("completions") => Shape::Completions,
+        Some("parts") => Shape::Parts,
+        Some(other) => {
+            return Err(format!(
+                "SHAPE must be chat, completions or parts, not {other:?}"
+            ))
+        }
     };
     let host = Host::prefixroute().map_err(|e| format!("{e:#}"))?;
     let config = host_tests::bench::endpoint_config(endpoints).to_string();
@@ -137,10 +154,10 @@ fn run() -> Result<(), String> {
                 .into_bytes(),
             Text::Lines => host_tests::bench::in_lines(&body, host_tests::bench::LINE_WORDS),
         };
-        let body = if completions {
-            host_tests::bench::as_completions(&body)
-        } else {
-            body
+        let body = match shape {
+            Shape::Chat => body,
+            Shape::Completions => host_tests::bench::as_completions(&body),
+            Shape::Parts => host_tests::bench::as_text_parts(&body),
         };
         let parsed = prefixroute_core::parse_request(&body).map_err(|e| e.to_string())?;
         routed_tokens +=
@@ -158,7 +175,7 @@ fn run() -> Result<(), String> {
             vm.record_execution();
         }
         let rt = vm
-            .round_trip(&if completions {
+            .round_trip(&if matches!(shape, Shape::Completions) {
                 Request::post("/v1/completions", body.clone())
             } else {
                 Request::chat(body.clone())

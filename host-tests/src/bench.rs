@@ -114,6 +114,18 @@ pub fn as_completions(chat: &[u8]) -> Vec<u8> {
         .into_bytes()
 }
 
+/// A chat body with every string content written as a list of one text part
+/// (`[{"type": "text", "text": …}]`), as some SDKs and frameworks send it.
+pub fn as_text_parts(chat: &[u8]) -> Vec<u8> {
+    let mut chat: serde_json::Value = serde_json::from_slice(chat).expect("a benchmark chat body");
+    for message in chat["messages"].as_array_mut().into_iter().flatten() {
+        if let Some(text) = message["content"].as_str() {
+            message["content"] = json!([{"type": "text", "text": text}]);
+        }
+    }
+    chat.to_string().into_bytes()
+}
+
 /// [`body`] as a conversation: the same system prompt's words spread over `messages` messages
 /// (the system prompt, then user and assistant in turn, then `question`), so that a cold
 /// request carries `messages` boundaries (an agent's or a long chat's history).
