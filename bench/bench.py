@@ -885,17 +885,20 @@ class Bodies:
     line_words: int = 0
     completions: bool = False
     questions: int = 4
+    text_parts: bool = False
 
     @classmethod
     def from_args(cls, args):
-        return cls(args.line_words, args.completions, args.questions)
+        if args.completions and args.text_parts:
+            sys.exit("--text-parts is a chat's content; it does not go with --completions")
+        return cls(args.line_words, args.completions, args.questions, args.text_parts)
 
     def path(self):
         return "/v1/completions" if self.completions else "/v1/chat/completions"
 
     def env(self):
         return {"LINE_WORDS": str(self.line_words), "COMPLETIONS": "1" if self.completions else "0",
-                "QUESTIONS": str(self.questions)}
+                "QUESTIONS": str(self.questions), "TEXT_PARTS": "1" if self.text_parts else "0"}
 
     def describe(self):
         """A sentence for the reports (empty for the default bodies)."""
@@ -906,6 +909,8 @@ class Bodies:
         if self.completions:
             parts.append(" Completions bodies (`prompt`: the system prompt and the question) to "
                          "/v1/completions.")
+        if self.text_parts:
+            parts.append(" Every content a list of one text part.")
         if self.questions != 4:
             parts.append(f" Warm bodies: {self.questions} questions per tenant.")
         return "".join(parts)
@@ -918,6 +923,9 @@ def add_bodies_arguments(p):
                         "each, as in most real prompts); 0 (default): one line")
     p.add_argument("--completions", action="store_true",
                    help="the prompts as completions bodies (`prompt`) to /v1/completions")
+    p.add_argument("--text-parts", action="store_true",
+                   help="every chat content as a list of one text part "
+                        "(`[{\"type\": \"text\", \"text\": ...}]`)")
     p.add_argument("--questions", type=int, default=4,
                    help="distinct questions per tenant of the warm bodies (default 4: 64 bodies "
                         "that cycle; e.g. 512: a known prefix with a question not met lately)")

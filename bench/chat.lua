@@ -12,6 +12,9 @@
 -- COMPLETIONS=1 sends the same text as a completions body (`{"model":…,"prompt":"<system
 -- prompt> <question>"}`; point wrk at /v1/completions).
 --
+-- TEXT_PARTS=1 writes each chat content as a list of one text part (`"content": [{"type":
+-- "text", "text": "…"}]`), as some SDKs and frameworks send it.
+--
 -- LINE_WORDS=N breaks the text into lines of N words: a line break, which JSON escapes as `\n`,
 -- every N words (most real prompts: markdown, code, documents). Unset or 0: one line.
 --
@@ -23,6 +26,7 @@ local questions = tonumber(os.getenv("QUESTIONS") or "4")
 local cold = os.getenv("COLD") == "1"
 local line_words = tonumber(os.getenv("LINE_WORDS") or "0")
 local completions = os.getenv("COMPLETIONS") == "1"
+local text_parts = os.getenv("TEXT_PARTS") == "1"
 
 local words = {
   "account", "billing", "cache", "cluster", "customer", "deploy", "gateway", "invoice",
@@ -67,6 +71,10 @@ local middle, tail_end = '"},{"role":"user","content":"', '"}]}'
 if completions then
   head = '{"model":"cc-sim","max_tokens":1,"prompt":"'
   middle, tail_end = " ", '"}'
+elseif text_parts then
+  head = '{"model":"cc-sim","max_tokens":1,"messages":[{"role":"system","content":[{"type":"text","text":"'
+  middle = '"}]},{"role":"user","content":[{"type":"text","text":"'
+  tail_end = '"}]}]}'
 end
 local headers = { ["Content-Type"] = "application/json" }
 

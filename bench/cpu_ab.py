@@ -14,6 +14,7 @@ system's cost above Envoy-without-a-filter to the first plugin's.
   python3 bench/cpu_ab.py --sizes 8,64 --line-words 12   (prompts broken into lines)
   python3 bench/cpu_ab.py --sizes 8,64 --completions      (completions bodies)
   python3 bench/cpu_ab.py --sizes 64 --warmth warm --completions --questions 512
+  python3 bench/cpu_ab.py --sizes 8,64 --text-parts       (each content a list of one text part)
       (a known prefix with a question not met lately, rather than 64 bodies that cycle)
   python3 bench/cpu_ab.py --sizes 8 --warmth warm --floor-variant 12:0 --floor-variant 12:12
       (what a shared-data get and set cost Envoy: the floor filter plus that many calls)
