@@ -881,7 +881,8 @@ class Bodies:
     none. `completions`: the prompts as completions bodies to /v1/completions. `questions`:
     distinct questions per tenant of the warm bodies (4: the same 64 bodies cycle, each met
     again and again; hundreds: a known system prompt or document with a question not met
-    lately, which is what a completions prompt, one string, meets in practice)."""
+    lately, which is what a completions prompt, one string, meets in practice). `text_parts`:
+    each chat content a list of one text part (`[{"type": "text", "text": ...}]`)."""
     line_words: int = 0
     completions: bool = False
     questions: int = 4
