@@ -388,9 +388,10 @@ pub trait PrefixStore {
     /// `endpoint`'s believed cache: its capacity and how many blocks it is believed to hold.
     fn room(&self, endpoint: usize) -> CacheRoom;
 
-    /// Remembers that the full blocks of a request, its group's `turn`, ended at `hash` on
-    /// `endpoint`.
-    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn);
+    /// Remembers that the full blocks of a request, its group's `turn`, ended at the last block
+    /// of `chain` on `endpoint` (the whole chain: a store may keep a block under its chain's
+    /// head, see the plugin's store).
+    fn mark_end(&mut self, endpoint: usize, chain: &[u64], turn: Turn);
 
     /// Whether a request whose believed match on `endpoint` is `chain[..matched]` continues an
     /// earlier request there, and that request's turn: the match ends exactly where that
@@ -547,8 +548,8 @@ impl PrefixStore for PrefixIndex {
         }
     }
 
-    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn) {
-        if let Some(e) = self.endpoints.get_mut(endpoint) {
+    fn mark_end(&mut self, endpoint: usize, chain: &[u64], turn: Turn) {
+        if let (Some(e), Some(&hash)) = (self.endpoints.get_mut(endpoint), chain.last()) {
             e.mark_end(hash, turn);
         }
     }
@@ -661,11 +662,11 @@ mod tests {
         let mut index = PrefixIndex::new(1, 100);
         // Turn 1 of a conversation: system prompt 1, 2, then its own 3.
         index.record(0, &[1, 2, 3]);
-        index.mark_end(0, 3, Turn::First);
+        index.mark_end(0, &[1, 2, 3], Turn::First);
         // Turn 2 matches all of turn 1 and adds 4, 5: it continues a first turn.
         assert_eq!(index.continues(0, &[1, 2, 3, 4, 5], 3), Some(Turn::First));
         index.record(0, &[1, 2, 3, 4, 5]);
-        index.mark_end(0, 5, Turn::Later);
+        index.mark_end(0, &[1, 2, 3, 4, 5], Turn::Later);
         // Turn 3 continues a later turn; turn 1's mark stays.
         assert_eq!(
             index.continues(0, &[1, 2, 3, 4, 5, 6], 5),
@@ -677,7 +678,7 @@ mod tests {
         assert_eq!(index.continues(0, &[1, 2, 9], 0), None);
         assert_eq!(index.continues(1, &[1, 2, 3], 3), None, "unknown endpoint");
         // A mark for a block not held is ignored.
-        index.mark_end(0, 77, Turn::Later);
+        index.mark_end(0, &[77], Turn::Later);
         assert_eq!(index.continues(0, &[77], 1), None);
     }
 

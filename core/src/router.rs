@@ -829,7 +829,7 @@ impl<S: PrefixStore> Router<S> {
             let marks = hashes.marks.get(i).map_or(&[][..], Vec::as_slice);
             self.store.record_marked(endpoint, &chain[..full], marks);
             self.store
-                .mark_end(endpoint, chain[full - 1], Turn::of(decision.continued));
+                .mark_end(endpoint, &chain[..full], Turn::of(decision.continued));
             self.ends.insert(chain[full - 1], self.now_ms);
         }
         // A group started on a shared prefix: counted for the copy credit under the prefix's
@@ -895,7 +895,8 @@ impl<S: PrefixStore> Router<S> {
         let continued = run
             .parent
             .and_then(|p| self.store.continues(endpoint, &[p], 1));
-        self.store.mark_end(endpoint, run.end, Turn::of(continued));
+        self.store
+            .mark_end(endpoint, &[run.end], Turn::of(continued));
         self.ends.insert(run.end, self.now_ms);
         true
     }

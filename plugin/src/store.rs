@@ -17,10 +17,19 @@
 //!   last block before each marked message boundary (the first and last two) and the last,
 //!   with the one-in-16 grid of their gaps up to them, and the 16 after the believed match
 //!   (when there is one), each reserving
-//!   its weight of stamps (the blocks it stands for), so a cold 16k-token prompt costs ~47
-//!   bucket writes, not ~1,000, and a cold 1k-token one 14; lookups are core's
-//!   [`believed_match`] over the same positions (binary searches over the checkpoints and a
-//!   gap's grid).
+//!   its weight of stamps (the blocks it stands for); lookups are core's [`believed_match`]
+//!   over the same positions (binary searches over the checkpoints and a gap's grid).
+//! * A *cold* chain (nothing of it believed on the endpoint: a new conversation, a batch job's
+//!   unique prompt) *lodges* its recorded positions in the bucket of its first block, not each
+//!   in its own: one bucket read and one write for the whole chain (a cold 16k-token prompt:
+//!   2 gets and 4 sets in all, where it was 45 and 47), and a later search of the chain reads
+//!   that one bucket. A block's claim is looked for there first, then in its own bucket: a
+//!   block hash names its whole prefix, so every chain through a block begins with the same
+//!   first block. Positions recorded past a believed match (a conversation's next turn, a
+//!   tenant's question after its system prompt) go to their own buckets: lodged under a
+//!   shared first block they would make it a key every request of the tenant writes. A
+//!   bucket keeps up to [`WAYS`] entries of its own and [`LODGER_WAYS`] lodged ones. Not with
+//!   `index: precise`: the servers' events name a block by its hash alone.
 //! * A block `e` already holds is re-stamped only when its age reaches `capacity / 4`: hot
 //!   prefixes (the shared system prompt) cost reads only. A re-stamp rewrites the prefix's
 //!   recorded positions, each standing for the blocks since the one before, and leaves a dead
@@ -29,10 +38,12 @@
 //!   holds about `capacity` distinct blocks, as the server's LRU does: a block not referenced
 //!   while `capacity` others were ages out, hot or not.
 //!
-//! While no endpoint has been sent more than `capacity` distinct blocks this gives exactly the
-//! core [`prefixroute_core::PrefixIndex`]'s answers (both record the same positions and search
-//! them the same way; core's answers are themselves bounded approximations of the longest
-//! shared prefix, see [`record_positions`]); beyond that it is an approximate LRU (a re-used
+//! While no endpoint has been sent more than `capacity` distinct blocks (and no bucket more
+//! than its limits) this gives exactly the core [`prefixroute_core::PrefixIndex`]'s answers
+//! for chained hashes, where a block's hash names its prefix, as every hash core makes does
+//! (both record the same positions and search them the same way; core's answers are
+//! themselves bounded approximations of the longest shared prefix, see
+//! [`record_positions`]); beyond that it is an approximate LRU (a re-used
 //! block survives as long as it is re-used within ~¾ of the capacity).
 //!
 //! Reads are cached for one request (the router asks every endpoint about every block), so a
@@ -49,7 +60,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use prefixroute_core::index::{believed_length, believed_match, record_positions, Search};
 use prefixroute_core::latency::CacheRoom;
-use prefixroute_core::order::{f64_key_descending, sort_by_u64_key};
+use prefixroute_core::order::{f64_key, sort_by_u64_key};
 use prefixroute_core::{PrefixStore, Turn};
 
 use crate::codec::{Bucket, EndpointState, Entry, Holder};
@@ -64,6 +75,13 @@ use crate::window::DeadStamps;
 pub const WAYS: usize = 8;
 /// Endpoints remembered per block; more only when many endpoints share one prefix.
 pub const MAX_HOLDERS: usize = 16;
+/// Entries a bucket keeps, beyond its [`WAYS`], for blocks lodged there by chains that begin
+/// in it: a cold chain's recorded positions live in its first block's bucket (see the module
+/// docs), ~40 for a 16k-token prompt.
+pub const LODGER_WAYS: usize = 64;
+/// A cold chain's recorded positions lodged in its first block's bucket; the rest (a prompt
+/// of more than ~200k tokens) go to their own buckets.
+pub const LODGED_POSITIONS: usize = 48;
 pub const MIN_TABLE_BITS: u32 = 8;
 pub const MAX_TABLE_BITS: u32 = 18;
 
@@ -116,13 +134,17 @@ pub struct Update {
 }
 
 /// Applies `updates` to a bucket: drops expired holders, upserts (the newer stamp wins, an
-/// end mark stays unless a newer one replaces it, as in core's index), then sheds the least fresh holders/entries beyond the limits. Pure and
-/// idempotent (applying the same updates twice changes nothing), so it is tested on its own
-/// and a write that lost a CAS race re-applies its updates to the fresh value.
+/// end mark stays unless a newer one replaces it, as in core's index), then sheds the least
+/// fresh holders/entries beyond the limits: `ways` entries of blocks that fall in the bucket
+/// (`own`), [`LODGER_WAYS`] of blocks lodged there by chains that begin in it (see the module
+/// docs). Pure and idempotent (applying the same updates twice changes nothing), so it is
+/// tested on its own and a write that lost a CAS race re-applies its updates to the fresh
+/// value.
 pub fn apply_updates(
     bucket: &mut Bucket,
     updates: &[Update],
     ways: usize,
+    own: &dyn Fn(u64) -> bool,
     freshness: &dyn Fn(&Holder) -> Freshness,
 ) {
     for entry in &mut bucket.entries {
@@ -153,32 +175,58 @@ pub fn apply_updates(
         }
     }
     bucket.entries.retain(|e| !e.holders.is_empty());
-    for entry in &mut bucket.entries {
-        if entry.holders.len() > MAX_HOLDERS {
-            // Stable sort: among equals the earlier (older) holder goes first.
-            sort_by_u64_key(&mut entry.holders, |h| {
-                f64_key_descending(keep_score(freshness(h)))
-            });
-            entry.holders.truncate(MAX_HOLDERS);
+    for entry in bucket
+        .entries
+        .iter_mut()
+        .filter(|e| e.holders.len() > MAX_HOLDERS)
+    {
+        let scores = entry.holders.iter().map(|h| Some(keep_score(freshness(h))));
+        let gone = least_fresh(scores, MAX_HOLDERS);
+        retain_unmarked(&mut entry.holders, &gone);
+    }
+    for (keep, lodger) in [(ways.max(1), false), (LODGER_WAYS, true)] {
+        let scores = bucket.entries.iter().map(|e| {
+            (own(e.hash) != lodger).then(|| {
+                e.holders
+                    .iter()
+                    .map(|h| keep_score(freshness(h)))
+                    .fold(f64::NEG_INFINITY, f64::max)
+            })
+        });
+        let gone = least_fresh(scores, keep);
+        retain_unmarked(&mut bucket.entries, &gone);
+    }
+}
+
+/// Which items go so that at most `keep` of the scored ones (`Some`) stay: the lowest
+/// scores, on ties the first (the oldest). Each item is scored once: a cold chain lodges
+/// dozens of entries in a bucket at once.
+fn least_fresh(scores: impl Iterator<Item = Option<f64>>, keep: usize) -> Vec<bool> {
+    let mut ranked: Vec<(u64, usize)> = Vec::new();
+    let mut len = 0;
+    for (i, score) in scores.enumerate() {
+        len = i + 1;
+        if let Some(score) = score {
+            ranked.push((f64_key(score), i));
         }
     }
-    while bucket.entries.len() > ways.max(1) {
-        let score = |e: &Entry| {
-            e.holders
-                .iter()
-                .map(|h| keep_score(freshness(h)))
-                .fold(f64::NEG_INFINITY, f64::max)
-        };
-        // The least fresh entry goes; on ties the oldest (first) one.
-        let victim = (0..bucket.entries.len())
-            .min_by(|&a, &b| {
-                score(&bucket.entries[a])
-                    .total_cmp(&score(&bucket.entries[b]))
-                    .then(a.cmp(&b))
-            })
-            .unwrap_or(0);
-        bucket.entries.remove(victim);
+    let mut gone = vec![false; len];
+    if ranked.len() > keep {
+        ranked.sort_unstable();
+        for &(_, i) in &ranked[..ranked.len() - keep] {
+            gone[i] = true;
+        }
     }
+    gone
+}
+
+/// Keeps the items `gone` does not mark.
+fn retain_unmarked<T>(items: &mut Vec<T>, gone: &[bool]) {
+    let mut i = 0;
+    items.retain(|_| {
+        i += 1;
+        !gone.get(i - 1).copied().unwrap_or(false)
+    });
 }
 
 /// The ranges of consecutive items of `items` with equal `key`, in order (what
@@ -396,6 +444,8 @@ struct View {
 }
 
 impl View {
+    // Not inlined: inlined into every search's probes it cost the .wasm ~700 bytes.
+    #[inline(never)]
     fn holds(&self, h: &Holder) -> bool {
         match self.precise {
             Some((epoch, speculative)) => {
@@ -524,7 +574,11 @@ impl<H: SharedData> SharedIndex<H> {
             remove: true,
             ..Update::default()
         });
-        self.queue_by_bucket(confirmed.chain(removals));
+        self.queue_by_bucket(
+            confirmed
+                .chain(removals)
+                .map(|u| (self.bucket_of(u.hash), u)),
+        );
     }
 
     /// The id table the index writes holders with.
@@ -776,10 +830,10 @@ impl<H: SharedData> SharedIndex<H> {
         })
     }
 
-    /// Reads go through the cache without copying the bucket: `longest_match` asks every
-    /// endpoint about every block, so this is the plugin's hottest path.
-    fn holder(&self, hash: u64, endpoint_id: u64) -> Option<Holder> {
-        let bucket = self.bucket_of(hash);
+    /// `endpoint_id`'s claim on `hash` in `bucket`. Reads go through the cache without copying
+    /// the bucket: `longest_match` asks every endpoint about every block, so this is the
+    /// plugin's hottest path.
+    fn holder_in(&self, bucket: u64, hash: u64, endpoint_id: u64) -> Option<Holder> {
         if !self.cache.borrow().buckets.contains_key(&bucket) {
             if let Err(status) = self.fetch_bucket(bucket) {
                 return self.note_read_error::<Option<Holder>>(status);
@@ -793,8 +847,23 @@ impl<H: SharedData> SharedIndex<H> {
             .holder(hash, endpoint_id)
     }
 
-    fn stamp(&self, hash: u64, endpoint_id: u64) -> Option<u64> {
-        self.holder(hash, endpoint_id).map(|h| h.stamp)
+    /// `id`'s claim on block `i` of `chain`, and the bucket it is in: lodged in the bucket of
+    /// the chain's first block (a cold chain's positions, see the module docs) or in its own.
+    /// The lodged claim is looked at first and serves when `view` holds it, so a chain
+    /// recorded cold costs a later search one bucket read; else a claim in the block's own
+    /// bucket, else the lodged one (not held).
+    fn locate(&self, chain: &[u64], i: usize, id: u64, view: View) -> Option<(u64, Holder)> {
+        let (&first, &hash) = chain.first().zip(chain.get(i))?;
+        let head = self.bucket_of(first);
+        let own = self.bucket_of(hash);
+        let lodged = self.holder_in(head, hash, id);
+        if own == head || lodged.is_some_and(|h| view.holds(&h)) {
+            return lodged.map(|h| (head, h));
+        }
+        match self.holder_in(own, hash, id) {
+            Some(h) => Some((own, h)),
+            None => lodged.map(|h| (head, h)),
+        }
     }
 
     /// How many leading blocks of `chain` the endpoint is believed to hold, and the held
@@ -812,7 +881,10 @@ impl<H: SharedData> SharedIndex<H> {
         view: View,
         chain: &'a [u64],
     ) -> impl FnMut(usize) -> bool + 'a {
-        move |i| self.holder(chain[i], id).is_some_and(|h| view.holds(&h))
+        move |i| {
+            self.locate(chain, i, id, view)
+                .is_some_and(|(_, h)| view.holds(&h))
+        }
     }
 
     fn freshness(&self, h: &Holder) -> Freshness {
@@ -899,15 +971,16 @@ impl<H: SharedData> SharedIndex<H> {
         Some(clock)
     }
 
-    /// Queues `updates`, grouped by the bucket each hash falls in (one write per bucket at
+    /// Queues `(bucket, update)` pairs, grouped by bucket (one write per bucket at
     /// `end_request`).
-    fn queue_by_bucket(&self, updates: impl Iterator<Item = Update>) {
-        // A sort, not a map of vectors: a cold request queues one update per new block, in
-        // as many buckets, and a map would allocate for each.
-        let mut updates: Vec<Update> = updates.collect();
-        sort_by_u64_key(&mut updates, |u| self.bucket_of(u.hash));
-        for run in runs(&updates, |u| self.bucket_of(u.hash)) {
-            self.queue_updates(self.bucket_of(updates[run.start].hash), &updates[run]);
+    fn queue_by_bucket(&self, updates: impl Iterator<Item = (u64, Update)>) {
+        // A sort, not a map of vectors: a request queues its updates in a few buckets, and a
+        // map would allocate for each.
+        let mut updates: Vec<(u64, Update)> = updates.collect();
+        sort_by_u64_key(&mut updates, |&(bucket, _)| bucket);
+        let plain: Vec<Update> = updates.iter().map(|&(_, u)| u).collect();
+        for run in runs(&updates, |&(bucket, _)| bucket) {
+            self.queue_updates(updates[run.start].0, &plain[run]);
         }
     }
 
@@ -929,7 +1002,8 @@ impl<H: SharedData> SharedIndex<H> {
             .get_mut(&bucket)
             .map(|slot| std::mem::take(&mut slot.value))
             .unwrap_or_default();
-        apply_updates(&mut value, updates, WAYS, &|h| self.freshness(h));
+        let own = |hash| self.bucket_of(hash) == bucket;
+        apply_updates(&mut value, updates, WAYS, &own, &|h| self.freshness(h));
         let mut cache = self.cache.borrow_mut();
         if let Some(cached) = cache.buckets.get_mut(&bucket) {
             cached.value = value;
@@ -963,7 +1037,8 @@ impl<H: SharedData> SharedIndex<H> {
             },
             |(mut next, applied): (Bucket, bool)| {
                 if !applied {
-                    apply_updates(&mut next, updates, WAYS, &|h| self.freshness(h));
+                    let own = |hash| self.bucket_of(hash) == bucket;
+                    apply_updates(&mut next, updates, WAYS, &own, &|h| self.freshness(h));
                 }
                 Some((next, true))
             },
@@ -1003,11 +1078,9 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         let (clock, window) = (view.clock, view.window);
         let refresh_after = (self.endpoint_capacity(endpoint) / 4).max(1);
         let (matched, probes) = self.probe(id, view, chain);
-        let age = |hash: u64| self.stamp(hash, id).map(|s| clock.saturating_sub(s));
-        let needs_stamp = |hash: u64| age(hash).map_or(true, |a| a >= refresh_after);
-        // A block of the matched prefix is re-stamped only if recorded here before (as core
-        // refreshes only the blocks it holds): its blocks are counted already.
-        let needs_refresh = |hash: u64| age(hash).is_some_and(|a| a >= refresh_after);
+        let located = |i: usize| self.locate(chain, i, id, view);
+        let age = |i: usize| located(i).map(|(_, h)| clock.saturating_sub(h.stamp));
+        let needs_stamp = |i: usize| age(i).map_or(true, |a| a >= refresh_after);
         // The matched prefix keeps its stamps while the blocks the search looked at are young:
         // then reading the prefix again would only confirm that. When one is old enough to
         // refresh (once per `capacity/4` records of a hot prefix), the prefix's recorded
@@ -1021,8 +1094,9 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // the belief is approximate (see `record_positions`). The unmatched tail always needs
         // stamps: only its recorded positions are written, each standing for its weight of
         // clock positions, so the window still counts blocks as core's LRU does.
-        let refresh_prefix = probes.iter().any(|&i| needs_stamp(chain[i]));
-        let mut stale: Vec<(usize, u64)> = Vec::new();
+        let refresh_prefix = probes.iter().any(|&i| needs_stamp(i));
+        // (position, weight, bucket) of each write.
+        let mut stale: Vec<(usize, u64, u64)> = Vec::new();
         if refresh_prefix {
             // In order, without a sort (the plugin's .wasm carries one, of pairs, see
             // core's `order`): the positions come sorted, the few probes are put in place.
@@ -1039,24 +1113,44 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
             stale.extend(recorded.into_iter().filter_map(|i| {
                 let span = (i + 1 - next) as u64;
                 next = i + 1;
-                needs_refresh(chain[i]).then_some((i, span))
+                // A block of the matched prefix is re-stamped only if recorded here before
+                // (as core refreshes only the blocks it holds: they are counted already),
+                // where its claim is.
+                let (bucket, h) = located(i)?;
+                (clock.saturating_sub(h.stamp) >= refresh_after).then_some((i, span, bucket))
             }));
         }
+        // A cold chain (nothing of it believed here) lodges its positions in its first block's
+        // bucket: one write for the whole chain. Not with `index: precise`: the servers'
+        // events name a block by its hash alone (a run's end, its parent), so its claim must
+        // be in its own bucket.
+        let head = (matched == 0 && self.speculative_blocks.is_none())
+            .then(|| chain.first().map(|&first| self.bucket_of(first)))
+            .flatten();
         stale.extend(
             record_positions(chain.len(), marks, matched)
                 .into_iter()
                 .filter(|&(i, _)| i >= matched)
-                .map(|(i, weight)| (i, weight as u64)),
+                .enumerate()
+                .map(|(k, (i, weight))| {
+                    let bucket = match head {
+                        Some(head) if k < LODGED_POSITIONS => head,
+                        _ => self.bucket_of(chain[i]),
+                    };
+                    (i, weight as u64, bucket)
+                }),
         );
         if stale.is_empty() {
             return;
         }
-        let n: u64 = stale.iter().map(|&(_, weight)| weight).sum();
+        let n: u64 = stale.iter().map(|&(_, weight, _)| weight).sum();
         let new = chain.len().saturating_sub(matched) as u64;
         // The stamps these replace: positions that die inside the window and widen it.
         let dead: Vec<(u64, u64)> = stale
             .iter()
-            .filter_map(|&(i, weight)| Some((self.stamp(chain[i], id)?, weight)))
+            .filter_map(|&(i, weight, bucket)| {
+                Some((self.holder_in(bucket, chain[i], id)?.stamp, weight))
+            })
             .filter(|&(s, _)| held(clock, s, window))
             .collect();
         let Some(new_clock) = self.advance_clock(endpoint, n, new, &dead, false) else {
@@ -1067,19 +1161,17 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         // block standing for `weight` positions takes the oldest of them, ageing out when the
         // last block it stands for would.
         let mut before = 0;
-        let updates: Vec<Update> = stale
-            .iter()
-            .map(|&(i, weight)| {
-                before += weight;
-                Update {
-                    endpoint: id,
-                    hash: chain[i],
-                    stamp: new_clock - (before - 1),
-                    ..Update::default()
-                }
-            })
-            .collect();
-        self.queue_by_bucket(updates.into_iter());
+        let updates = stale.iter().map(|&(i, weight, bucket)| {
+            before += weight;
+            let update = Update {
+                endpoint: id,
+                hash: chain[i],
+                stamp: new_clock - (before - 1),
+                ..Update::default()
+            };
+            (bucket, update)
+        });
+        self.queue_by_bucket(updates);
     }
 
     fn forget_endpoint(&mut self, endpoint: usize) {
@@ -1109,14 +1201,13 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
     }
 
-    fn mark_end(&mut self, endpoint: usize, hash: u64, turn: Turn) {
-        let Some(id) = self.ids.id(endpoint) else {
+    fn mark_end(&mut self, endpoint: usize, chain: &[u64], turn: Turn) {
+        let (Some(id), Some(&hash)) = (self.ids.id(endpoint), chain.last()) else {
             return;
         };
-        let bucket = self.bucket_of(hash);
         {
             let mut cache = self.cache.borrow_mut();
-            if let Some((_, update)) = cache
+            if let Some(&mut (bucket, ref mut update)) = cache
                 .pending
                 .iter_mut()
                 .find(|(_, u)| u.endpoint == id && u.hash == hash)
@@ -1137,8 +1228,8 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
         }
         // Held already (a request that repeats an earlier one exactly): mark it, unless it is.
         let view = self.view(endpoint);
-        match self.holder(hash, id) {
-            Some(h) if h.end != Some(turn) && view.holds(&h) => self.queue_updates(
+        match self.locate(chain, chain.len() - 1, id, view) {
+            Some((bucket, h)) if h.end != Some(turn) && view.holds(&h) => self.queue_updates(
                 bucket,
                 &[Update {
                     endpoint: id,
@@ -1154,8 +1245,8 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 
     fn continues(&self, endpoint: usize, chain: &[u64], matched: usize) -> Option<Turn> {
         let id = self.ids.id(endpoint)?;
-        let &hash = chain.get(matched.checked_sub(1)?)?;
-        self.holder(hash, id)?.end
+        let view = self.view(endpoint);
+        self.locate(chain, matched.checked_sub(1)?, id, view)?.1.end
     }
 }
 
@@ -1163,7 +1254,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
 mod tests {
     use super::*;
     use crate::shared::{bucket_key, MemShared};
-    use prefixroute_core::index::{checkpoints, gap_blocks, STRIDE_BLOCKS};
+    use prefixroute_core::index::{gap_blocks, STRIDE_BLOCKS};
     use prefixroute_core::PrefixIndex;
     use std::rc::Rc;
 
@@ -1182,6 +1273,20 @@ mod tests {
 
     fn stamp(b: &Bucket, hash: u64, endpoint: u64) -> Option<u64> {
         b.holder(hash, endpoint).map(|h| h.stamp)
+    }
+
+    /// A chain of `blocks` spread-out hashes (`seed` 0, 1, …: distinct chains).
+    fn spread_chain(blocks: u64, seed: u64) -> Vec<u64> {
+        (1..=blocks)
+            .map(|k| (k + seed * 1_000_000).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect()
+    }
+
+    /// The bucket in shared data that `chain`'s first block falls in (where a cold chain
+    /// lodges).
+    fn head_bucket(host: &MemShared, bits: u32, chain: &[u64]) -> Bucket {
+        let key = bucket_key(bits, chain[0] & ((1 << bits) - 1));
+        Bucket::decode(&host.value(&key).unwrap()).unwrap()
     }
 
     fn addrs(n: usize) -> Vec<String> {
@@ -1227,12 +1332,12 @@ mod tests {
                 Freshness::Live(stamp as f64 / 100.0)
             }
         };
-        apply_updates(&mut b, &up(5, &[(1, 50), (2, 60)]), 3, &f);
-        apply_updates(&mut b, &up(6, &[(1, 70)]), 3, &f);
+        apply_updates(&mut b, &up(5, &[(1, 50), (2, 60)]), 3, &|_| true, &f);
+        apply_updates(&mut b, &up(6, &[(1, 70)]), 3, &|_| true, &f);
         assert_eq!(stamp(&b, 1, 5), Some(50));
         assert_eq!(stamp(&b, 1, 6), Some(70));
         // Re-recording keeps the newer stamp.
-        apply_updates(&mut b, &up(5, &[(1, 40)]), 3, &f);
+        apply_updates(&mut b, &up(5, &[(1, 40)]), 3, &|_| true, &f);
         assert_eq!(stamp(&b, 1, 5), Some(50));
         // Expired holders vanish; an entry with no holder left is dropped.
         b.entries.push(Entry {
@@ -1244,7 +1349,7 @@ mod tests {
                 confirmed: false,
             }],
         });
-        apply_updates(&mut b, &up(5, &[]), 3, &f);
+        apply_updates(&mut b, &up(5, &[]), 3, &|_| true, &f);
         assert!(b.find(9).is_none());
         // Over capacity: the least fresh entry (foreign-only) goes first, then the stalest.
         b.entries.push(Entry {
@@ -1256,10 +1361,10 @@ mod tests {
                 confirmed: false,
             }],
         });
-        apply_updates(&mut b, &up(5, &[(3, 90)]), 3, &f);
+        apply_updates(&mut b, &up(5, &[(3, 90)]), 3, &|_| true, &f);
         assert_eq!(b.entries.len(), 3);
         assert!(b.find(10).is_none(), "foreign-only entry shed first");
-        apply_updates(&mut b, &up(5, &[(4, 95)]), 3, &f);
+        apply_updates(&mut b, &up(5, &[(4, 95)]), 3, &|_| true, &f);
         assert!(b.find(2).is_none(), "stalest live entry (60) shed next");
         assert!(b.find(1).is_some() && b.find(3).is_some() && b.find(4).is_some());
     }
@@ -1269,11 +1374,90 @@ mod tests {
         let mut b = Bucket::default();
         let f = |h: &Holder| Freshness::Live(h.stamp as f64 / 1000.0);
         for e in 0..(MAX_HOLDERS as u64 + 4) {
-            apply_updates(&mut b, &up(e, &[(1, 100 + e)]), WAYS, &f);
+            apply_updates(&mut b, &up(e, &[(1, 100 + e)]), WAYS, &|_| true, &f);
         }
         let holders = &b.find(1).unwrap().holders;
         assert_eq!(holders.len(), MAX_HOLDERS);
         assert!(holders.iter().all(|h| h.stamp >= 104));
+    }
+
+    #[test]
+    fn a_bucket_sheds_its_own_entries_and_its_lodgers_each_beyond_their_own_limit() {
+        let mut b = Bucket::default();
+        let f = |h: &Holder| Freshness::Live(h.stamp as f64 / 1000.0);
+        // Hashes below 100 fall in this bucket; the others are lodged by chains beginning here.
+        let own = |hash: u64| hash < 100;
+        let owned: Vec<(u64, u64)> = (0..WAYS as u64 + 3).map(|k| (k, 10 + k)).collect();
+        let lodged: Vec<(u64, u64)> = (0..LODGER_WAYS as u64 + 5)
+            .map(|k| (100 + k, 500 + k))
+            .collect();
+        apply_updates(&mut b, &up(1, &owned), WAYS, &own, &f);
+        apply_updates(&mut b, &up(1, &lodged), WAYS, &own, &f);
+        let count =
+            |b: &Bucket, lodger: bool| b.entries.iter().filter(|e| own(e.hash) != lodger).count();
+        // Fresher lodgers do not push out the bucket's own entries, nor the other way round;
+        // within each class the least fresh went.
+        assert_eq!(count(&b, false), WAYS);
+        assert_eq!(count(&b, true), LODGER_WAYS);
+        assert!(b.find(2).is_none() && b.find(3).is_some());
+        assert!(b.find(104).is_none() && b.find(105).is_some());
+    }
+
+    #[test]
+    fn a_cold_chain_beyond_the_lodged_positions_writes_the_rest_to_their_own_buckets() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(2), 31_250);
+        // A cold 128k-token prompt: 8,192 blocks, 84 recorded positions.
+        let chain = spread_chain(8192, 0);
+        let positions = record_positions(chain.len(), &[], 0);
+        assert!(positions.len() > LODGED_POSITIONS);
+        s.begin_request();
+        let (_, before) = host.calls();
+        s.record(1, &chain);
+        s.end_request();
+        let mask = (1u64 << s.table_bits()) - 1;
+        let head = head_bucket(&host, s.table_bits(), &chain);
+        assert_eq!(head.entries.len(), LODGED_POSITIONS);
+        let spilled: std::collections::BTreeSet<u64> = positions[LODGED_POSITIONS..]
+            .iter()
+            .map(|&(p, _)| chain[p] & mask)
+            .collect();
+        // The head bucket, the spilled positions' buckets and the endpoint's clock.
+        assert_eq!(host.calls().1 - before, 2 + spilled.len() as u64);
+        // Believed whole, and to its checkpoints on either side of the spill.
+        s.begin_request();
+        assert_eq!(s.longest_match(1, &chain), 8192);
+        assert_eq!(s.longest_match(0, &chain), 0);
+        for &(p, _) in &positions[LODGED_POSITIONS - 2..LODGED_POSITIONS + 2] {
+            let mut other = chain[..=p].to_vec();
+            other.push(7);
+            assert_eq!(s.longest_match(1, &other), p + 1, "to position {p}");
+        }
+        s.end_request();
+    }
+
+    #[test]
+    fn cold_chains_on_two_endpoints_lodge_side_by_side_in_their_first_blocks_bucket() {
+        let host = MemShared::new();
+        let mut s = SharedIndex::new(host.clone(), &addrs(3), 1000);
+        let chain: Vec<u64> = (1..=200u64).map(|k| k * 1_000_003).collect();
+        // The same prompt sent cold to endpoints 0 and 2 (two gateways, or a spread), and
+        // another sharing its first 40 blocks sent cold to endpoint 1.
+        let mut other = chain[..40].to_vec();
+        other.extend((0..60u64).map(|k| k * 7 + 5));
+        for (e, c) in [(0, &chain), (2, &chain), (1, &other)] {
+            s.begin_request();
+            assert_eq!(s.longest_match(e, c), 0);
+            s.record(e, c);
+            s.end_request();
+        }
+        s.begin_request();
+        assert_eq!(s.longest_match(0, &chain), 200);
+        assert_eq!(s.longest_match(2, &chain), 200);
+        assert_eq!(s.longest_match(1, &other), 100);
+        // Endpoint 1 is believed to hold the shared head to a checkpoint of its own chain.
+        assert_eq!(s.longest_match(1, &chain), 36);
+        s.end_request();
     }
 
     #[test]
@@ -1295,17 +1479,16 @@ mod tests {
         for (e, chain, turn) in &chains {
             shared.begin_request();
             shared.record(*e, chain);
-            shared.mark_end(*e, *chain.last().unwrap(), *turn);
+            shared.mark_end(*e, chain, *turn);
             core.record(*e, chain);
-            core.mark_end(*e, *chain.last().unwrap(), *turn);
+            core.mark_end(*e, chain, *turn);
             shared.end_request();
         }
         let probes = [
             vec![1, 2, 3, 4, 8],
             vec![1, 2, 9],
             vec![1, 2, 9, 10],
-            vec![7, 1],
-            vec![3],
+            vec![7, 11],
             vec![1, 2, 3, 5, 6, 7],
         ];
         shared.begin_request();
@@ -1341,9 +1524,7 @@ mod tests {
         let mut core = PrefixIndex::new(2, 31_250);
         // A 2,000-block prompt (32k tokens) whose messages begin at blocks 300, 1,000 and
         // 1,500: all three lie inside gaps of 32 or 64 blocks between checkpoints.
-        let base: Vec<u64> = (1..=2000u64)
-            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let base = spread_chain(2000, 0);
         let marks = [300, 1000, 1500];
         let with_tail = |shared_blocks: usize, seed: u64| -> Vec<u64> {
             let mut chain = base[..shared_blocks].to_vec();
@@ -1430,7 +1611,7 @@ mod tests {
         let (_, sets_before) = host.calls();
         let chain: Vec<u64> = (0..40).collect();
         s.record(0, &chain);
-        s.mark_end(0, 39, Turn::Later);
+        s.mark_end(0, &chain[..40], Turn::Later);
         // The request reads its own writes before they are sent...
         assert_eq!(s.longest_match(0, &chain), 40);
         assert_eq!(s.continues(0, &chain, 40), Some(Turn::Later));
@@ -1441,15 +1622,14 @@ mod tests {
             "only the clock reservation so far"
         );
         s.end_request();
-        // ...and the end mark rode on the block's own write: one set per bucket touched by
-        // a recorded position (the 4 dense ones, checkpoints 19 and 35, and the end, 39).
-        let buckets: std::collections::BTreeSet<u64> = record_positions(chain.len(), &[], 0)
-            .iter()
-            .map(|&(p, _)| chain[p] & ((1 << s.table_bits()) - 1))
-            .collect();
+        // ...and the end mark rode on the chain's one write: its 7 recorded positions (the 4
+        // dense ones, checkpoints 19 and 35, and the end, 39) lodge in its first block's
+        // bucket, which holds them all.
         assert_eq!(record_positions(chain.len(), &[], 0).len(), 7);
         let (_, sets_after) = host.calls();
-        assert_eq!(sets_after - sets_mid, buckets.len() as u64);
+        assert_eq!(sets_after - sets_mid, 1);
+        let head = head_bucket(&host, s.table_bits(), &chain);
+        assert_eq!(head.entries.len(), 7);
         s.begin_request();
         assert_eq!(
             s.continues(0, &chain, 40),
@@ -1497,26 +1677,29 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_prompt_costs_writes_per_checkpoint_not_per_block() {
+    fn a_cold_prompt_costs_one_bucket_write_whatever_its_length() {
         let host = MemShared::new();
         let mut s = SharedIndex::new(host.clone(), &addrs(3), 31_250);
         // A cold 16k-token prompt: 1,024 blocks of spread-out hashes.
-        let chain: Vec<u64> = (1..=1024u64)
-            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-            .collect();
+        let chain = spread_chain(1024, 0);
         s.begin_request();
-        let (_, before) = host.calls();
+        let (gets_before, before) = host.calls();
+        assert_eq!(s.longest_match(0, &chain), 0);
         s.record(0, &chain);
-        s.mark_end(0, chain[1023], Turn::First);
+        s.mark_end(0, &chain, Turn::First);
         s.end_request();
-        let (_, after) = host.calls();
-        // 39 checkpoints (0–3, 19, 35, …, 259, then 291, …, 771 every 32, then 835, 899,
-        // 963), the grid of the end's gap (979, 995, 1011), the end and the endpoint's clock:
-        // 44 writes at most, where a fixed stride of 16 wrote 69.
-        let bound = (checkpoints(1024) + gap_blocks(1023) / STRIDE_BLOCKS + 2) as u64;
-        assert!(bound <= 45);
-        assert!(after - before <= bound, "{} sets > {bound}", after - before);
-        assert!(after - before < 1024 / 10);
+        let (gets, after) = host.calls();
+        // Its 39 checkpoints (0–3, 19, 35, …, 259, then 291, …, 771 every 32, then 835, 899,
+        // 963), the grid of the end's gap (979, 995, 1011) and the end lodge in the bucket of
+        // its first block: one read and one write of it, and of the endpoint's record.
+        assert_eq!(
+            after - before,
+            2,
+            "the chain's bucket and the endpoint's clock"
+        );
+        assert_eq!(gets - gets_before, 2);
+        let head = head_bucket(&host, s.table_bits(), &chain);
+        assert_eq!(head.entries.len(), record_positions(1024, &[], 0).len());
         // The belief still matches it whole, and counts every block against the capacity.
         s.begin_request();
         assert_eq!(s.longest_match(0, &chain), 1024);
@@ -1528,6 +1711,16 @@ mod tests {
         other.extend((0..20u64).map(|k| k ^ 0x5555));
         assert_eq!(s.longest_match(0, &other), 484);
         assert!(510 - 484 < gap_blocks(509));
+        s.end_request();
+        // Searching the chain again reads that bucket and nothing else.
+        s.begin_request();
+        let (gets_before, _) = host.calls();
+        assert_eq!(s.longest_match(0, &chain), 1024);
+        assert_eq!(
+            host.calls().0 - gets_before,
+            2,
+            "the endpoint's record and the bucket"
+        );
         s.end_request();
     }
 
@@ -1683,47 +1876,39 @@ mod tests {
     }
 
     #[test]
-    fn refreshing_a_long_hot_prefix_reads_and_writes_its_recorded_positions_not_every_block() {
+    fn refreshing_a_long_hot_prefix_rewrites_the_one_bucket_its_positions_lodge_in() {
         // Two 16k-token prompts, each a quarter of the endpoint's capacity, alternating: each
         // request finds its prefix a quarter of the capacity old and refreshes it.
         let host = MemShared::new();
         let mut s = SharedIndex::new(host.clone(), &addrs(1), 4096);
-        let chain = |seed: u64| -> Vec<u64> {
-            (1..=1024u64)
-                .map(|k| (k + seed * 10_000).wrapping_mul(0x9e37_79b9_7f4a_7c15))
-                .collect()
-        };
-        let (a, b) = (chain(1), chain(2));
+        let (a, b) = (spread_chain(1024, 1), spread_chain(1024, 2));
         for c in [&a, &b] {
             s.begin_request();
             s.record(0, c);
             s.end_request();
         }
-        let positions = record_positions(1024, &[], 0).len() as u64;
+        let positions = record_positions(1024, &[], 0);
+        let (bits, id) = (s.table_bits(), s.ids().id(0).unwrap());
         for round in 0..6 {
             let c = if round % 2 == 0 { &a } else { &b };
+            s.begin_request();
+            let clock = s.with_endpoint_state(0, |state| state.clock);
+            s.end_request();
             let (gets_before, sets_before) = host.calls();
             s.begin_request();
             assert_eq!(s.longest_match(0, c), 1024, "round {round}");
             s.record(0, c);
             s.end_request();
             let (gets, sets) = host.calls();
-            assert!(
-                sets - sets_before > positions / 2,
-                "round {round}: the prefix was refreshed"
-            );
-            // The positions a record writes, each one bucket read and one written, plus the
-            // endpoint record and the clock.
-            assert!(
-                gets - gets_before <= positions + 4,
-                "round {round}: {} gets",
-                gets - gets_before
-            );
-            assert!(
-                sets - sets_before <= positions + 2,
-                "round {round}: {} sets",
-                sets - sets_before
-            );
+            // Every recorded position re-stamped, in the one bucket they lodge in.
+            let bucket = head_bucket(&host, bits, c);
+            for &(p, _) in &positions {
+                let stamp = bucket.holder(c[p], id).unwrap().stamp;
+                assert!(stamp > clock, "round {round}: position {p} refreshed");
+            }
+            // That bucket and the endpoint record, each read once and written once.
+            assert_eq!(gets - gets_before, 2, "round {round}");
+            assert_eq!(sets - sets_before, 2, "round {round}");
         }
     }
 

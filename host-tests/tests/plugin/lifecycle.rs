@@ -256,10 +256,9 @@ fn costs_are_counted_per_request_and_repeat_exactly() {
         1,
         "the body is copied in once"
     );
-    assert!(
-        t.calls("proxy_get_shared_data") >= 4,
-        "one record per endpoint at least"
-    );
+    // The endpoint records are carried from the first request; the index is read (the
+    // bucket the first, cold request lodged its blocks in).
+    assert!(t.calls("proxy_get_shared_data") >= 1, "{t:?}");
     assert!(
         a.by_callback["proxy_on_request_body"].fuel > t.fuel / 2,
         "routing dominates"
