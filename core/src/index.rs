@@ -30,8 +30,9 @@ pub const STRIDE_BLOCKS: usize = 16;
 /// Grid points that are *checkpoints* (recorded by every chain that passes them) at each
 /// spacing: the first [`DENSE_BLOCKS`] blocks, then this many grid points in a row (blocks 19,
 /// 35, …, 259), then this many every other grid point (stride 32, to block 771), this many
-/// every fourth (stride 64, to 1,795), and so on, doubling. So a cold prompt's writes grow with
-/// the logarithm of its length, not with it: a cold 16k-token prompt (1,024 blocks) records 39
+/// every fourth (stride 64, to 1,795), and so on, doubling. So a cold prompt's recorded
+/// positions grow with the logarithm of its length, not with it (the plugin writes a cold
+/// chain's into one shared-data bucket): a cold 16k-token prompt (1,024 blocks) records 39
 /// checkpoints instead of 67 with a fixed stride, a 128k-token one 84 instead of 515. Chains up
 /// to 260 blocks (4,160 tokens at 16 per block) record exactly what a fixed stride records.
 pub const CHECKPOINTS_PER_LEVEL: usize = 16;
