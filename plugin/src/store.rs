@@ -79,9 +79,10 @@ pub const MAX_HOLDERS: usize = 16;
 /// in it: a cold chain's recorded positions live in its first block's bucket (see the module
 /// docs), ~40 for a 16k-token prompt.
 pub const LODGER_WAYS: usize = 64;
-/// A cold chain's recorded positions lodged in its first block's bucket; the rest (a prompt
-/// of more than ~200k tokens) go to their own buckets.
-pub const LODGED_POSITIONS: usize = 48;
+/// A cold chain's recorded positions lodged in its first block's bucket (all of a prompt up
+/// to ~35k tokens: 61 at 2,048 blocks, 84 at 4,096); the rest go to their own buckets. As many
+/// as a bucket keeps, so a chain's are never shed by its own.
+pub const LODGED_POSITIONS: usize = LODGER_WAYS;
 pub const MIN_TABLE_BITS: u32 = 8;
 pub const MAX_TABLE_BITS: u32 = 18;
 
@@ -1407,7 +1408,7 @@ mod tests {
     fn a_cold_chain_beyond_the_lodged_positions_writes_the_rest_to_their_own_buckets() {
         let host = MemShared::new();
         let mut s = SharedIndex::new(host.clone(), &addrs(2), 31_250);
-        // A cold 128k-token prompt: 8,192 blocks, 84 recorded positions.
+        // A cold 128k-token prompt: 8,192 blocks, 100 recorded positions.
         let chain = spread_chain(8192, 0);
         let positions = record_positions(chain.len(), &[], 0);
         assert!(positions.len() > LODGED_POSITIONS);

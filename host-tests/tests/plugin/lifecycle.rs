@@ -290,11 +290,37 @@ fn a_cold_requests_index_writes_do_not_grow_with_its_message_count() {
     let one = sets(1);
     for messages in [16, 64, 256] {
         let many = sets(messages);
-        // The first and last two boundaries, each with its gap's grid, over one message.
-        assert!(
-            many <= one + 8,
+        // The first and last two boundaries, each with its gap's grid, are recorded over one
+        // message's; a cold chain lodges them all in its first block's bucket, one write.
+        assert_eq!(
+            many, one,
             "{messages} messages: {many} writes against {one} for one message"
         );
+    }
+}
+
+/// A cold request writes shared data a constant number of times whatever its length: its
+/// recorded positions lodge in its first block's bucket (one write), beside the endpoint's
+/// clock and the ledger. Before, one write per recorded position: 47 for 16k tokens.
+#[test]
+fn a_cold_requests_shared_data_writes_do_not_grow_with_its_length() {
+    let sets = |tokens: usize| {
+        let host = common::host();
+        let mut vm = common::configured(&host, &config(3, json!({})));
+        let body = host_tests::bench::body(7, tokens, "what changed?");
+        let rt = vm.round_trip(&Request::chat(body)).unwrap();
+        let matched = rt
+            .response_header("x-prefixroute-match")
+            .unwrap_or_default();
+        assert!(matched.starts_with("0/"), "cold: {matched}");
+        rt.costs.total.calls("proxy_set_shared_data")
+    };
+    let short = sets(1024);
+    assert!(short <= 6, "{short} writes for a cold 1k-token request");
+    // Up to ~35k tokens every recorded position lodges (`prefixroute_plugin::store::
+    // LODGED_POSITIONS`); a longer prompt writes the rest to their own buckets.
+    for tokens in [4096, 16384, 32768] {
+        assert_eq!(sets(tokens), short, "{tokens} tokens");
     }
 }
 
