@@ -76,13 +76,11 @@ pub const WAYS: usize = 8;
 /// Endpoints remembered per block; more only when many endpoints share one prefix.
 pub const MAX_HOLDERS: usize = 16;
 /// Entries a bucket keeps, beyond its [`WAYS`], for blocks lodged there by chains that begin
-/// in it: a cold chain's recorded positions live in its first block's bucket (see the module
-/// docs), ~40 for a 16k-token prompt.
+/// in it: a cold chain lodges its first this many recorded positions in its first block's
+/// bucket (see the module docs; all of a prompt up to ~35k tokens: 43 at 1,024 blocks, 61 at
+/// 2,048, 84 at 4,096) and the rest in their own buckets, so a chain's are never shed by its
+/// own.
 pub const LODGER_WAYS: usize = 64;
-/// A cold chain's recorded positions lodged in its first block's bucket (all of a prompt up
-/// to ~35k tokens: 61 at 2,048 blocks, 84 at 4,096); the rest go to their own buckets. As many
-/// as a bucket keeps, so a chain's are never shed by its own.
-pub const LODGED_POSITIONS: usize = LODGER_WAYS;
 pub const MIN_TABLE_BITS: u32 = 8;
 pub const MAX_TABLE_BITS: u32 = 18;
 
@@ -246,6 +244,16 @@ fn runs<'a, T, K: PartialEq>(
         start += len;
         Some(start - len..start)
     })
+}
+
+/// Calls `f` with each bucket of `(bucket, update)` pairs and its updates, in the order they
+/// were given (a stable sort, not a map of vectors: a map would allocate per bucket).
+fn for_each_bucket(mut pairs: Vec<(u64, Update)>, f: &mut dyn FnMut(u64, &[Update])) {
+    sort_by_u64_key(&mut pairs, |&(bucket, _)| bucket);
+    let updates: Vec<Update> = pairs.iter().map(|&(_, u)| u).collect();
+    for run in runs(&pairs, |&(bucket, _)| bucket) {
+        f(pairs[run.start].0, &updates[run]);
+    }
 }
 
 /// A cached value with what we know of its CAS token.
@@ -654,13 +662,10 @@ impl<H: SharedData> SharedIndex<H> {
     /// Sends the request's index writes (one CAS per bucket touched), drops the request's
     /// cache and returns the counters it produced.
     pub fn end_request(&mut self) -> SharedDataErrors {
-        let mut pending = std::mem::take(&mut self.cache.get_mut().pending);
-        // Stable: a bucket's updates keep the order they were queued (and applied) in.
-        sort_by_u64_key(&mut pending, |&(bucket, _)| bucket);
-        let updates: Vec<Update> = pending.iter().map(|&(_, u)| u).collect();
-        for run in runs(&pending, |&(bucket, _)| bucket) {
-            self.write_bucket(pending[run.start].0, &updates[run]);
-        }
+        let pending = std::mem::take(&mut self.cache.get_mut().pending);
+        for_each_bucket(pending, &mut |bucket, updates| {
+            self.write_bucket(bucket, updates)
+        });
         if let Some((endpoint, stamp)) = self.cache.get_mut().cold.take() {
             self.update_state(endpoint, |mut next: EndpointState| {
                 (next.last_cold < stamp).then(|| {
@@ -975,14 +980,9 @@ impl<H: SharedData> SharedIndex<H> {
     /// Queues `(bucket, update)` pairs, grouped by bucket (one write per bucket at
     /// `end_request`).
     fn queue_by_bucket(&self, updates: impl Iterator<Item = (u64, Update)>) {
-        // A sort, not a map of vectors: a request queues its updates in a few buckets, and a
-        // map would allocate for each.
-        let mut updates: Vec<(u64, Update)> = updates.collect();
-        sort_by_u64_key(&mut updates, |&(bucket, _)| bucket);
-        let plain: Vec<Update> = updates.iter().map(|&(_, u)| u).collect();
-        for run in runs(&updates, |&(bucket, _)| bucket) {
-            self.queue_updates(updates[run.start].0, &plain[run]);
-        }
+        for_each_bucket(updates.collect(), &mut |bucket, updates| {
+            self.queue_updates(bucket, updates)
+        });
     }
 
     /// Applies `updates` to the cached bucket now (so this request reads its own writes) and
@@ -1135,7 +1135,7 @@ impl<H: SharedData> PrefixStore for SharedIndex<H> {
                 .enumerate()
                 .map(|(k, (i, weight))| {
                     let bucket = match head {
-                        Some(head) if k < LODGED_POSITIONS => head,
+                        Some(head) if k < LODGER_WAYS => head,
                         _ => self.bucket_of(chain[i]),
                     };
                     (i, weight as u64, bucket)
@@ -1411,15 +1411,15 @@ mod tests {
         // A cold 128k-token prompt: 8,192 blocks, 100 recorded positions.
         let chain = spread_chain(8192, 0);
         let positions = record_positions(chain.len(), &[], 0);
-        assert!(positions.len() > LODGED_POSITIONS);
+        assert!(positions.len() > LODGER_WAYS);
         s.begin_request();
         let (_, before) = host.calls();
         s.record(1, &chain);
         s.end_request();
         let mask = (1u64 << s.table_bits()) - 1;
         let head = head_bucket(&host, s.table_bits(), &chain);
-        assert_eq!(head.entries.len(), LODGED_POSITIONS);
-        let spilled: std::collections::BTreeSet<u64> = positions[LODGED_POSITIONS..]
+        assert_eq!(head.entries.len(), LODGER_WAYS);
+        let spilled: std::collections::BTreeSet<u64> = positions[LODGER_WAYS..]
             .iter()
             .map(|&(p, _)| chain[p] & mask)
             .collect();
@@ -1429,7 +1429,7 @@ mod tests {
         s.begin_request();
         assert_eq!(s.longest_match(1, &chain), 8192);
         assert_eq!(s.longest_match(0, &chain), 0);
-        for &(p, _) in &positions[LODGED_POSITIONS - 2..LODGED_POSITIONS + 2] {
+        for &(p, _) in &positions[LODGER_WAYS - 2..LODGER_WAYS + 2] {
             let mut other = chain[..=p].to_vec();
             other.push(7);
             assert_eq!(s.longest_match(1, &other), p + 1, "to position {p}");

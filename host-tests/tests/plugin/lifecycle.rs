@@ -318,7 +318,7 @@ fn a_cold_requests_shared_data_writes_do_not_grow_with_its_length() {
     let short = sets(1024);
     assert!(short <= 6, "{short} writes for a cold 1k-token request");
     // Up to ~35k tokens every recorded position lodges (`prefixroute_plugin::store::
-    // LODGED_POSITIONS`); a longer prompt writes the rest to their own buckets.
+    // LODGER_WAYS`); a longer prompt writes the rest to their own buckets.
     for tokens in [4096, 16384, 32768] {
         assert_eq!(sets(tokens), short, "{tokens} tokens");
     }
