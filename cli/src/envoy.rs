@@ -282,13 +282,18 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
     }));
     // The plugin buffers bodies up to max_body_bytes; Envoy must allow at least that much.
     let buffer_limit = (setup.plugin.max_body_bytes + (1 << 20)).max(1 << 20);
+    // A stream's own limit, above what it can hold at once: a chunked body the plugin holds
+    // (up to max_body_bytes) plus one read, which drains the socket up to the listener's
+    // limit (and a slice past it). With the listener's limit alone, a long chunked body read
+    // in one go was answered 413 before the plugin could let it go (docs/benchmarks.md).
+    let stream_limit = buffer_limit + setup.plugin.max_body_bytes + (64 << 10);
     let mut manager = json!({
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "llm",
         "route_config": {"virtual_hosts": [{
             "name": "llm",
             "domains": ["*"],
-            "routes": [{"match": {"prefix": "/"}, "route": {
+            "routes": [{"match": {"prefix": "/"}, "request_body_buffer_limit": stream_limit, "route": {
                 "cluster": POOL_CLUSTER,
                 "timeout": "300s",
                 "retry_policy": retry_policy(setup.plugin.failover),

@@ -22,7 +22,7 @@ use crate::fallback::FallbackReason;
 use crate::host::{self, Metrics};
 use crate::root::{flush, SharedScheduler};
 use crate::scheduler::{decode_attempt_count, Choice, Route, ATTEMPT_COUNT_PROPERTY};
-use crate::settings::is_routable;
+use crate::settings::{declared_length, is_routable};
 use crate::stats::{Event, StatNames};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +197,16 @@ impl HttpContext for Filter {
         }
         if end_of_stream {
             self.fallback(FallbackReason::NoBody);
+            return Action::Continue;
+        }
+        // A body declared larger than the plugin reads is never held: once held, Envoy adds
+        // each chunk it reads to the held body before the plugin sees it, and a chunk can be
+        // as large as the listener's buffer (a read drains the socket up to it), so a held
+        // body plus one read could pass Envoy's limit and be answered 413 before the plugin
+        // lets it go (seen under CPU load with a 1.5 MiB body). A body without a length
+        // (chunked) is still held up to `max_body_bytes`.
+        if declared_length(&header("content-length")).is_some_and(|n| n > self.max_body_bytes()) {
+            self.fallback(FallbackReason::BodyTooLarge);
             return Action::Continue;
         }
         // Wait for the body (needs `allow_on_headers_stop_iteration: true` in Envoy ≥ 1.35).

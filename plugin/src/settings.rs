@@ -85,9 +85,37 @@ pub fn is_routable(method: &str, path: &str) -> bool {
         && matches!(path, "/v1/chat/completions" | "/v1/completions")
 }
 
+/// The body length a request's `content-length` header declares; `None` when it is absent
+/// or not a plain decimal count (RFC 9110 §8.6), so a garbled value never decides anything.
+pub fn declared_length(content_length: &str) -> Option<usize> {
+    let digits = content_length.trim();
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_declared_length_is_a_plain_decimal_count_or_nothing() {
+        assert_eq!(declared_length("1572864"), Some(1_572_864));
+        assert_eq!(declared_length(" 42 "), Some(42));
+        assert_eq!(declared_length("0"), Some(0));
+        for garbled in [
+            "",
+            "-1",
+            "+5",
+            "1e6",
+            "12,34",
+            "0x10",
+            "99999999999999999999999",
+        ] {
+            assert_eq!(declared_length(garbled), None, "{garbled:?}");
+        }
+    }
 
     #[test]
     fn struct_style_doubles_are_accepted() {

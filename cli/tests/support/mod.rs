@@ -149,7 +149,7 @@ pub fn http_with(
     parse_response(&raw)
 }
 
-fn parse_response(raw: &[u8]) -> Reply {
+pub fn parse_response(raw: &[u8]) -> Reply {
     let text = String::from_utf8_lossy(raw);
     let (head, rest) = text
         .split_once("\r\n\r\n")
@@ -234,6 +234,23 @@ pub struct Served {
     /// The temp dir (`TMPDIR`) `prefixroute serve` and its Envoy were given, empty when they
     /// started.
     pub tmpdir: std::path::PathBuf,
+}
+
+impl Served {
+    /// Envoy's process id (`prefixroute serve` execs Envoy).
+    pub fn pid(&self) -> u32 {
+        self._child.0.id()
+    }
+}
+
+/// Stops (`STOP`) or resumes (`CONT`) a process: a gateway frozen as a loaded one is, so what a
+/// client writes meanwhile is waiting in the socket when it reads again.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
 }
 
 /// Starts `prefixroute serve --listen … --admin … ARGS` and waits until Envoy is ready.

@@ -129,6 +129,43 @@ fn a_body_over_the_limit_falls_back_as_soon_as_it_is_too_large() {
 }
 
 #[test]
+fn a_body_declared_over_the_limit_falls_back_at_the_headers_and_is_never_held() {
+    let host = common::host();
+    let mut vm = common::configured(&host, &config(3, json!({"max_body_bytes": 1000})));
+    let body = chat_body(&"word ".repeat(500), "q");
+    let declared = Request::chat(body.clone())
+        .header("content-length", body.len().to_string())
+        .chunks(Chunks::Every(400));
+    let x = vm.send(&declared).unwrap();
+    // Not one pause: Envoy never holds a byte of it, so it cannot pass Envoy's buffer limit.
+    assert!(
+        x.actions.iter().all(|a| *a == Action::Continue),
+        "{:?}",
+        x.actions
+    );
+    assert_eq!(x.upstream_body, body);
+    let response = vm.respond(x.id, 200).unwrap();
+    assert_eq!(
+        response.get_str("x-prefixroute-fallback").as_deref(),
+        Some("body_too_large")
+    );
+    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+
+    // A length within the limit, or one that is not a count, decides nothing: the body is
+    // held and routed (or let go at the limit) as without the header.
+    for length in [body.len().min(999).to_string(), "lots".to_string()] {
+        let small = chat_body("a short question", "q");
+        let x = vm
+            .send(&Request::chat(small).header("content-length", &length))
+            .unwrap();
+        assert_eq!(x.actions[0], Action::Pause, "content-length {length}");
+        let response = vm.respond(x.id, 200).unwrap();
+        assert_eq!(response.get_str("x-prefixroute-fallback"), None, "{length}");
+    }
+    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+}
+
+#[test]
 fn the_response_names_the_endpoint_policy_and_match() {
     let host = common::host();
     let mut vm = common::configured(&host, &config(4, json!({})));
