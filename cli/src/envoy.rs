@@ -285,7 +285,7 @@ pub fn bootstrap(setup: &EnvoySetup) -> Result<Value> {
     // A stream's own limit, above what it can hold at once: a chunked body the plugin holds
     // (up to max_body_bytes) plus one read, which drains the socket up to the listener's
     // limit (and a slice past it). With the listener's limit alone, a long chunked body read
-    // in one go was answered 413 before the plugin could let it go (docs/benchmarks.md).
+    // in one go was answered 413 before the plugin could let it go (plugin/README.md).
     let stream_limit = buffer_limit + setup.plugin.max_body_bytes + (64 << 10);
     let mut manager = json!({
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
