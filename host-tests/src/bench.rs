@@ -5,7 +5,7 @@
 
 use serde_json::json;
 
-use crate::{CalloutReply, ContextCosts, Costs, Host, Request, Vm};
+use crate::{CalloutReply, ContextCosts, Costs, Fuel, Host, HostOptions, Plugin, Request, Vm};
 
 /// One measured request.
 #[derive(Debug, Clone)]
@@ -22,6 +22,10 @@ pub struct Row {
     pub matched: String,
     pub body_bytes: usize,
     pub costs: ContextCosts,
+    /// Bytes the guest moved with `memory.copy` and `memory.fill` (each of which `costs`
+    /// counts as one instruction): the same request measured with fuel that also prices them
+    /// per byte, less `costs`.
+    pub bulk_bytes: u64,
 }
 
 /// Costs of the root context's periodic work.
@@ -163,10 +167,20 @@ pub fn conversation(tenant: usize, tokens: usize, messages: usize, question: &st
 /// has scraped every endpoint once, then for each size a cold request (new tenant), and a warm
 /// one (same system prompt as a request sent just before, new question).
 pub fn run() -> wasmtime::Result<(Vec<Row>, Vec<TickRow>)> {
+    let (mut rows, ticks) = run_counting(Fuel::Instructions)?;
+    // The same requests again (every count here repeats exactly), bytes priced too.
+    let (with_bytes, _) = run_counting(Fuel::InstructionsAndBulkBytes)?;
+    for (row, priced) in rows.iter_mut().zip(&with_bytes) {
+        row.bulk_bytes = priced.costs.total.fuel.saturating_sub(row.costs.total.fuel);
+    }
+    Ok((rows, ticks))
+}
+
+fn run_counting(fuel: Fuel) -> wasmtime::Result<(Vec<Row>, Vec<TickRow>)> {
     let mut rows = Vec::new();
     let mut ticks = Vec::new();
     for &n in &ENDPOINTS {
-        let host = Host::prefixroute()?;
+        let host = Host::new(Plugin::prefixroute_counting(fuel)?, HostOptions::default());
         let mut vm = host.configured_vm(endpoint_config(n).to_string().as_bytes())?;
         let root = vm.root_context_id();
         let before = vm.costs(root).total;
@@ -274,6 +288,7 @@ fn row(
             .unwrap_or_default(),
         body_bytes: body.len(),
         costs: rt.costs.clone(),
+        bulk_bytes: 0,
     }
 }
 
@@ -293,8 +308,8 @@ fn thousands(n: u64) -> String {
 pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
     let mut out = String::new();
     out += "Per routed request (all callbacks of its HTTP context: headers, body, response, log, done, delete):\n\n";
-    out += "| endpoints | prompt | text | tokens | blocks | cache | match | instructions | of which body phase | host calls | shared gets | shared sets | shared bytes in | shared bytes out | body bytes |\n";
-    out += "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    out += "| endpoints | prompt | text | tokens | blocks | cache | match | instructions | of which body phase | bulk bytes | host calls | shared gets | shared sets | shared bytes in | shared bytes out | body bytes |\n";
+    out += "|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for r in rows {
         let t = &r.costs.total;
         let body_fuel = r
@@ -303,7 +318,7 @@ pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
             .get("proxy_on_request_body")
             .map_or(0, |c| c.fuel);
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.endpoints,
             if r.target_tokens < 1024 {
                 r.target_tokens.to_string()
@@ -317,6 +332,7 @@ pub fn render(rows: &[Row], ticks: &[TickRow]) -> String {
             r.matched,
             thousands(t.fuel),
             thousands(body_fuel),
+            thousands(r.bulk_bytes),
             t.total_host_calls(),
             t.calls("proxy_get_shared_data"),
             t.calls("proxy_set_shared_data"),

@@ -10,7 +10,7 @@ use std::ops::AddAssign;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Costs {
     /// Wasm instructions executed (wasmtime fuel: 1 per operator, 0 for nop/drop/block/loop
-    /// markers, plus 1 per byte for `memory.copy`/`memory.fill`).
+    /// markers; a `memory.copy` or `memory.fill` is one, see [`crate::Fuel`]).
     pub fuel: u64,
     /// Callbacks the host made into the guest (`proxy_on_*`, not allocations).
     pub callbacks: u64,

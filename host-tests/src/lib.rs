@@ -33,7 +33,7 @@ pub use abi::{Action, Headers, LogLevel, MapType, Status};
 pub use capture::{Callout, Capture, HeaderOp, HeaderOpKind, LocalReply, LogLine, MetricOp};
 pub use clock::Clock;
 pub use costs::{ContextCosts, Costs};
-pub use host::{locate_plugin, Host, HostOptions, Plugin};
+pub use host::{locate_plugin, Fuel, Host, HostOptions, Plugin};
 pub use shared::SharedStore;
 pub use state::StreamState;
 pub use stats::{Metric, Stats};

@@ -303,6 +303,30 @@ fn costs_are_counted_per_request_and_repeat_exactly() {
     assert!(t.shared_bytes_in > 0 && t.shared_bytes_out > 0);
 }
 
+/// A `memory.copy` or `memory.fill` is one instruction however many bytes it moves, as V8 runs
+/// it; with bytes priced too (wasmtime's default), the same request costs at least its
+/// prompt's bytes more: a cold prompt is decoded into the text it hashes with a bulk copy.
+#[test]
+fn a_bulk_copy_is_one_instruction_and_its_bytes_are_counted_apart() {
+    let prompt = "word ".repeat(4000);
+    let run = |fuel| {
+        let plugin = host_tests::Plugin::prefixroute_counting(fuel).unwrap();
+        let host = host_tests::Host::new(plugin, host_tests::HostOptions::default());
+        let mut vm = common::configured(&host, &config(3, json!({})));
+        let rt = vm
+            .round_trip(&Request::chat(chat_body(&prompt, "a")))
+            .unwrap();
+        rt.costs.total.fuel
+    };
+    let instructions = run(host_tests::Fuel::Instructions);
+    let priced = run(host_tests::Fuel::InstructionsAndBulkBytes);
+    assert!(
+        priced >= instructions + prompt.len() as u64,
+        "{priced} priced against {instructions} instructions for {} prompt bytes",
+        prompt.len()
+    );
+}
+
 /// A cold request records a bounded number of positions: its writes do not grow with the
 /// number of its messages (an agent's long history arriving at a gateway that never saw it).
 /// Before the marks were capped (`prefixroute_core::hashing::KEPT_MARKS`), 256 messages of the
