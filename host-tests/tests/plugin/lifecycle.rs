@@ -100,6 +100,16 @@ fn a_body_that_ends_with_trailers_is_routed_on_the_trailers() {
     );
 }
 
+/// The request `id` went through the fallback for its size, the first such one counted.
+fn assert_answered_as_too_large(host: &host_tests::Host, vm: &mut host_tests::Vm, id: u32) {
+    let response = vm.respond(id, 200).unwrap();
+    assert_eq!(
+        response.get_str("x-prefixroute-fallback").as_deref(),
+        Some("body_too_large")
+    );
+    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+}
+
 #[test]
 fn a_body_over_the_limit_falls_back_as_soon_as_it_is_too_large() {
     let host = common::host();
@@ -120,12 +130,7 @@ fn a_body_over_the_limit_falls_back_as_soon_as_it_is_too_large() {
     );
     assert!(x.actions[4..].iter().all(|a| *a == Action::Continue));
     assert_eq!(x.upstream_body, body);
-    let response = vm.respond(x.id, 200).unwrap();
-    assert_eq!(
-        response.get_str("x-prefixroute-fallback").as_deref(),
-        Some("body_too_large")
-    );
-    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+    assert_answered_as_too_large(&host, &mut vm, x.id);
 }
 
 #[test]
@@ -144,12 +149,7 @@ fn a_body_declared_over_the_limit_falls_back_at_the_headers_and_is_never_held() 
         x.actions
     );
     assert_eq!(x.upstream_body, body);
-    let response = vm.respond(x.id, 200).unwrap();
-    assert_eq!(
-        response.get_str("x-prefixroute-fallback").as_deref(),
-        Some("body_too_large")
-    );
-    assert_eq!(host.stats().value("prefixroute.fallback.body_too_large"), 1);
+    assert_answered_as_too_large(&host, &mut vm, x.id);
 
     // A length within the limit, or one that is not a count, decides nothing: the body is
     // held and routed (or let go at the limit) as without the header.
