@@ -222,53 +222,25 @@ fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 fn run_end<const NON_ASCII: bool>(rest: &[u8]) -> usize {
-    use core::arch::wasm32::{
-        i8x16_lt, i8x16_splat, u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_any_true,
-        v128_or,
-    };
-    // The stop bytes among 16 at `at` (16 readable bytes), one lane each.
-    let stops = |at: &[u8]| {
-        // SAFETY: the callers pass 16 readable bytes or more; `read_unaligned` asks no
-        // alignment of them.
-        let v = unsafe { at.as_ptr().cast::<v128>().read_unaligned() };
-        let low = if NON_ASCII {
-            i8x16_lt(v, i8x16_splat(0x20))
-        } else {
-            u8x16_lt(v, u8x16_splat(0x20))
-        };
-        v128_or(
-            low,
+    use core::arch::wasm32::{i8x16_lt, i8x16_splat, u8x16_eq, u8x16_lt, u8x16_splat, v128_or};
+    first_lane(
+        rest,
+        |v| {
+            let low = if NON_ASCII {
+                i8x16_lt(v, i8x16_splat(0x20))
+            } else {
+                u8x16_lt(v, u8x16_splat(0x20))
+            };
             v128_or(
-                u8x16_eq(v, u8x16_splat(b'"')),
-                u8x16_eq(v, u8x16_splat(b'\\')),
-            ),
-        )
-    };
-    let mut run = 0;
-    // Whole 64-byte blocks, one test for four vectors (a long content is mostly blocks without
-    // a stop); the block with one gives the first's position from its four vectors' masks
-    // rather than being looked at again sixteen bytes at a time: text broken into lines (an
-    // escape every ~50 bytes) stops in nearly every block.
-    for block in rest.chunks_exact(64) {
-        let (a, b) = (stops(block), stops(&block[16..]));
-        let (c, d) = (stops(&block[32..]), stops(&block[48..]));
-        if v128_any_true(v128_or(v128_or(a, b), v128_or(c, d))) {
-            let low = u32::from(u8x16_bitmask(a)) | u32::from(u8x16_bitmask(b)) << 16;
-            let high = u32::from(u8x16_bitmask(c)) | u32::from(u8x16_bitmask(d)) << 16;
-            let mask = u64::from(low) | u64::from(high) << 32;
-            return run + mask.trailing_zeros() as usize;
-        }
-        run += 64;
-    }
-    let mut chunks = rest[run..].chunks_exact(16);
-    for chunk in &mut chunks {
-        let mask = u8x16_bitmask(stops(chunk));
-        if mask != 0 {
-            return run + mask.trailing_zeros() as usize;
-        }
-        run += 16;
-    }
-    run + run_end_bytes::<NON_ASCII>(chunks.remainder())
+                low,
+                v128_or(
+                    u8x16_eq(v, u8x16_splat(b'"')),
+                    u8x16_eq(v, u8x16_splat(b'\\')),
+                ),
+            )
+        },
+        run_end_bytes::<NON_ASCII>,
+    )
 }
 
 /// Where the first `\\` of `text` is (`text.len()` when it has none): [`run_end`]'s search
@@ -277,17 +249,37 @@ fn run_end<const NON_ASCII: bool>(rest: &[u8]) -> usize {
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 fn backslash_at(text: &[u8]) -> usize {
-    use core::arch::wasm32::{u8x16_bitmask, u8x16_eq, u8x16_splat, v128, v128_any_true, v128_or};
-    let backslashes = |at: &[u8]| {
-        // SAFETY: the callers pass 16 readable bytes or more; `read_unaligned` asks no
+    use core::arch::wasm32::{u8x16_eq, u8x16_splat};
+    first_lane(
+        text,
+        |v| u8x16_eq(v, u8x16_splat(b'\\')),
+        |rest| rest.iter().position(|&b| b == b'\\').unwrap_or(rest.len()),
+    )
+}
+
+/// The position of the first byte of `text` whose lane `lanes` sets (all ones), or
+/// `text.len()`; `tail` answers for the last bytes, fewer than sixteen. Whole 64-byte blocks
+/// first, one test for four vectors (a long content is mostly blocks without a stop); the block
+/// with one gives the first's position from its four vectors' masks rather than being looked at
+/// again sixteen bytes at a time: text broken into lines (an escape every ~50 bytes) stops in
+/// nearly every block.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn first_lane(
+    text: &[u8],
+    lanes: impl Fn(core::arch::wasm32::v128) -> core::arch::wasm32::v128,
+    tail: impl Fn(&[u8]) -> usize,
+) -> usize {
+    use core::arch::wasm32::{u8x16_bitmask, v128, v128_any_true, v128_or};
+    let at = |bytes: &[u8]| {
+        // SAFETY: every caller below passes 16 readable bytes or more; `read_unaligned` asks no
         // alignment of them.
-        let v = unsafe { at.as_ptr().cast::<v128>().read_unaligned() };
-        u8x16_eq(v, u8x16_splat(b'\\'))
+        lanes(unsafe { bytes.as_ptr().cast::<v128>().read_unaligned() })
     };
     let mut run = 0;
     for block in text.chunks_exact(64) {
-        let (a, b) = (backslashes(block), backslashes(&block[16..]));
-        let (c, d) = (backslashes(&block[32..]), backslashes(&block[48..]));
+        let (a, b) = (at(block), at(&block[16..]));
+        let (c, d) = (at(&block[32..]), at(&block[48..]));
         if v128_any_true(v128_or(v128_or(a, b), v128_or(c, d))) {
             let low = u32::from(u8x16_bitmask(a)) | u32::from(u8x16_bitmask(b)) << 16;
             let high = u32::from(u8x16_bitmask(c)) | u32::from(u8x16_bitmask(d)) << 16;
@@ -298,14 +290,13 @@ fn backslash_at(text: &[u8]) -> usize {
     }
     let mut chunks = text[run..].chunks_exact(16);
     for chunk in &mut chunks {
-        let mask = u8x16_bitmask(backslashes(chunk));
+        let mask = u8x16_bitmask(at(chunk));
         if mask != 0 {
             return run + mask.trailing_zeros() as usize;
         }
         run += 16;
     }
-    let rest = chunks.remainder();
-    run + rest.iter().position(|&b| b == b'\\').unwrap_or(rest.len())
+    run + tail(chunks.remainder())
 }
 
 /// [`backslash_at`] without wasm SIMD (native builds, the web demo).
